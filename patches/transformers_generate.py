@@ -1,0 +1,101 @@
+"""Adds ``speculator="specexec"`` to transformers' ``GenerationMixin.generate``.
+
+Two wrappers, both reverted together:
+
+- ``generate``: without ``speculator=`` it calls the original untouched (assisted generation and everything
+  else keep working); with ``speculator="specexec"`` it routes the call through the original ``generate`` with
+  SpecExec as its ``custom_generate`` callable, so argument handling, generation configs, logits processors,
+  stopping criteria and streamers are transformers' own.
+- ``_extract_generation_mode_kwargs``: transformers hands a ``custom_generate`` callable only the keyword
+  arguments its signature adds, dropping the draft, the streamer and the tokenizer (so ``stop_strings`` fail).
+  For SpecExec's callable alone, the wrapper passes them on as the built-in decoding modes get them.
+
+``apply()`` is idempotent, ``revert()`` restores the originals, and ``apply()`` refuses a transformers version
+outside ``SUPPORTED_VERSIONS`` or one whose patched method has another signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from transformers.generation.utils import GenerationMixin
+
+SUPPORTED_VERSIONS = SpecifierSet(">=5.16,<6")
+SPECULATORS = ("specexec",)
+_EXTRACT_PARAMETERS = ["self", "custom_generate", "kwargs", "synced_gpus", "assistant_model", "streamer"]
+_originals: dict[str, Callable] = {}
+
+
+class UnsupportedTransformersVersion(RuntimeError):
+    """The installed transformers is outside the range this patch was written and tested for."""
+
+
+def check_version(version: str | None = None) -> None:
+    version = version or transformers.__version__
+    if Version(Version(version).base_version) not in SUPPORTED_VERSIONS:
+        raise UnsupportedTransformersVersion(
+            f"specexec_hf patches transformers {SUPPORTED_VERSIONS}, but transformers {version} is installed. "
+            f"Install a supported version (pip install 'transformers{SUPPORTED_VERSIONS}')."
+        )
+    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
+    if extract is None or list(inspect.signature(extract).parameters) != _EXTRACT_PARAMETERS:
+        raise UnsupportedTransformersVersion(
+            f"transformers {version} changed GenerationMixin._extract_generation_mode_kwargs, which specexec_hf "
+            f"patches; install transformers{SUPPORTED_VERSIONS} at a release this version was tested with."
+        )
+
+
+def is_applied() -> bool:
+    return bool(_originals)
+
+
+def apply() -> None:
+    """Installs the ``speculator=`` argument; a second call does nothing."""
+    if is_applied():
+        return
+    check_version()
+    from specexec_hf.generation import generate as specexec_generate
+
+    original = GenerationMixin.generate
+    original_extract = GenerationMixin._extract_generation_mode_kwargs
+
+    @functools.wraps(original)
+    def generate(self, *args, speculator: str | None = None, **kwargs):
+        if speculator is None:
+            return original(self, *args, **kwargs)
+        if speculator not in SPECULATORS:
+            raise ValueError(f"Unknown speculator={speculator!r}; specexec_hf provides {list(SPECULATORS)}.")
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("Pass either speculator= or custom_generate=, not both.")
+        if kwargs.get("assistant_model") is None:
+            raise ValueError(
+                'speculator="specexec" needs a draft: pass assistant_model=<small causal LM with the same tokenizer>.'
+            )
+        # As draft_model= the draft reaches SpecExec directly, and transformers does not treat the call as its
+        # own assisted generation (whose checks would pre-empt SpecExec's clearer ones).
+        kwargs["draft_model"] = kwargs.pop("assistant_model")
+        return original(self, *args, custom_generate=specexec_generate, **kwargs)
+
+    @functools.wraps(original_extract)
+    def extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
+        if custom_generate is not specexec_generate:
+            return original_extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        standard = original_extract(self, None, kwargs, synced_gpus, assistant_model, streamer)
+        custom = original_extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        return {**standard, **custom}
+
+    _originals.update(generate=original, _extract_generation_mode_kwargs=original_extract)
+    GenerationMixin.generate = generate
+    GenerationMixin._extract_generation_mode_kwargs = extract_generation_mode_kwargs
+
+
+def revert() -> None:
+    """Restores transformers' own methods; does nothing if the patch is not applied."""
+    for name, method in _originals.items():
+        setattr(GenerationMixin, name, method)
+    _originals.clear()

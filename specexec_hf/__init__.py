@@ -1,0 +1,44 @@
+"""SpecExec speculative decoding for Hugging Face ``generate()``, pipelines, offloaded models and vLLM.
+
+``import specexec_hf`` makes ``model.generate(..., assistant_model=draft, speculator="specexec")`` available;
+``model.generate(..., assistant_model=draft, custom_generate=specexec_hf.generate)`` works without the patch.
+"""
+
+from .config import SpecExecConfig
+from .draft import SpecExecCandidateGenerator
+from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
+from .search import SearchResult, grow_tree
+from .stats import SpecExecStats, StepStats
+from .tree import TokenTree
+from .verify import Acceptance, acceptance_walk
+
+__version__ = "0.1.0"
+
+
+def _install_generate_patch() -> None:
+    import warnings
+
+    from .patches import transformers_generate
+
+    try:
+        transformers_generate.apply()
+    except transformers_generate.UnsupportedTransformersVersion as error:
+        warnings.warn(f"{error} speculator='specexec' is unavailable; custom_generate=specexec_hf.generate may work.")
+
+
+_install_generate_patch()
+
+__all__ = [
+    "Acceptance",
+    "SearchResult",
+    "SpecExecCandidateGenerator",
+    "SpecExecConfig",
+    "SpecExecDecoderOnlyOutput",
+    "SpecExecStats",
+    "StepStats",
+    "TokenTree",
+    "TreeLogitsProcessor",
+    "acceptance_walk",
+    "generate",
+    "grow_tree",
+]

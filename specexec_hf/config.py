@@ -1,0 +1,60 @@
+"""SpecExec knobs, settable from ``generate()`` keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SpecExecConfig:
+    """How the draft grows the token tree that the target verifies in one forward.
+
+    Args:
+        budget: Most draft tokens in the tree (the root, the last committed token, comes on top). The target
+            scores ``budget + 1`` tokens per forward, so pick it by how the target's forward time grows with
+            tokens: small (16-64) for an in-memory target on a CPU, large (256-1024) for an offloaded one.
+        max_depth: Deepest level a tree node may reach, so at most ``max_depth + 1`` tokens per target forward.
+        max_branch: Children considered per expanded node (the draft's top-k tokens there).
+        expand_per_forward: How many frontier nodes one draft forward expands, all in one batched call.
+        max_draft_forwards: Cap on draft forwards per tree after the first; ``None`` runs until no frontier node
+            can still improve the tree (which takes at most ``budget`` expansions).
+        draft_temperature: Temperature of the draft's log-probs that rank the tree. ``None`` follows the
+            generation temperature when sampling and uses 1.0 for greedy decoding. It shapes the tree only:
+            the output distribution is the target's either way.
+    """
+
+    budget: int = 64
+    max_depth: int = 16
+    max_branch: int = 8
+    expand_per_forward: int = 16
+    max_draft_forwards: int | None = None
+    draft_temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SpecExecConfig.{name} must be a positive integer, got {value!r}.")
+        if self.max_draft_forwards is not None and (
+            not isinstance(self.max_draft_forwards, int) or self.max_draft_forwards < 0
+        ):
+            raise ValueError(
+                f"SpecExecConfig.max_draft_forwards must be None or a non-negative integer, got "
+                f"{self.max_draft_forwards!r}."
+            )
+        if self.draft_temperature is not None and not self.draft_temperature > 0:
+            raise ValueError(
+                f"SpecExecConfig.draft_temperature must be None or > 0, got {self.draft_temperature!r}."
+            )
+
+    @classmethod
+    def knob_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def updated(self, **overrides: Any) -> SpecExecConfig:
+        """A copy with the given knobs replaced; ``None`` values keep the current setting."""
+        unknown = set(overrides) - set(self.knob_names())
+        if unknown:
+            raise TypeError(f"Unknown SpecExec knob(s) {sorted(unknown)}; known: {list(self.knob_names())}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})

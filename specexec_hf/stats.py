@@ -1,0 +1,66 @@
+"""Per-step statistics of a SpecExec generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """One draft-tree / target-forward round.
+
+    Args:
+        tree_size: Tree nodes the target scored, the root included.
+        accepted: Tokens committed by the step (accepted tree tokens plus the bonus, after any stop).
+        draft_forwards: Draft forward calls that grew the tree.
+        draft_seconds: Wall time spent growing the tree.
+        target_seconds: Wall time of the target forward.
+    """
+
+    tree_size: int
+    accepted: int
+    draft_forwards: int
+    draft_seconds: float
+    target_seconds: float
+
+
+@dataclass
+class SpecExecStats:
+    """Statistics of one ``generate()`` call; pass an instance as ``specexec_stats=`` to have it filled."""
+
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.steps)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(step.accepted for step in self.steps)
+
+    @property
+    def draft_forwards(self) -> int:
+        return sum(step.draft_forwards for step in self.steps)
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(step.draft_seconds for step in self.steps)
+
+    @property
+    def target_seconds(self) -> float:
+        return sum(step.target_seconds for step in self.steps)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "tokens_per_target_forward": self.tokens_per_target_forward,
+            "mean_tree_size": sum(s.tree_size for s in self.steps) / max(self.target_forwards, 1),
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
+        }

@@ -1,0 +1,160 @@
+"""Framework-free properties of TokenTree, the best-first search and the acceptance walk."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specexec_hf import SpecExecConfig, TokenTree, acceptance_walk, grow_tree
+
+
+@st.composite
+def random_trees(draw, max_nodes: int = 40) -> TokenTree:
+    """Trees whose children carry distinct tokens and log-probs below their parent's."""
+    tree = TokenTree.from_root(draw(st.integers(0, 9)))
+    for _ in range(draw(st.integers(0, max_nodes - 1))):
+        parent = draw(st.integers(0, tree.num_nodes - 1))
+        used = set(tree.tokens[tree.children(parent)].tolist())
+        free = [t for t in range(10) if t not in used]
+        if not free:
+            continue
+        token = draw(st.sampled_from(free))
+        logprob = float(tree.logprobs[parent]) - draw(st.floats(0, 3))
+        tree.add_children(torch.tensor([parent]), torch.tensor([token]), torch.tensor([logprob]))
+    return tree
+
+
+@given(random_trees())
+def test_ancestor_mask_matches_paths(tree):
+    mask = tree.ancestor_mask()
+    for node in range(tree.num_nodes):
+        expected = set(tree.path(node)) | {0, node}
+        assert set(mask[node].nonzero().flatten().tolist()) == expected
+        assert tree.depths[node] == len(tree.path(node))
+        assert torch.equal(tree.positions(10)[node], 10 + tree.depths[node])
+    assert bool((tree.parents[1:] < torch.arange(1, tree.num_nodes)).all())
+
+
+@given(random_trees(), st.data())
+def test_select_keeps_structure(tree, data):
+    keep = {0}
+    for node in data.draw(st.lists(st.integers(0, tree.num_nodes - 1))):
+        keep |= {node, *tree.path(node)}
+    keep = sorted(keep)
+    sub = tree.select(torch.tensor(keep))
+    for new, old in enumerate(keep):
+        assert sub.path_tokens(new).tolist() == tree.path_tokens(old).tolist()
+        assert float(sub.logprobs[new]) == float(tree.logprobs[old])
+
+
+@given(random_trees())
+def test_best_path_maximises_expected_acceptance(tree):
+    def value(path):
+        return sum(math.exp(float(tree.logprobs[n])) for n in path)
+
+    leaves = [n for n in range(tree.num_nodes) if tree.children(n).numel() == 0]
+    best = max(value(tree.path(leaf)) for leaf in leaves)
+    path = tree.best_path()
+    assert path == tree.path(path[-1]) if path else tree.num_nodes == 1
+    assert math.isclose(value(path), best, rel_tol=1e-9)
+
+
+def table_expand(vocab: int, seed: int, sharpness: float, calls: list):
+    """A deterministic fake draft: the next-token log-probs depend on the node's whole path."""
+
+    def expand(pool: TokenTree, nodes: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for node in nodes.tolist():
+            key = hash((seed, tuple(pool.path_tokens(node).tolist()), int(pool.tokens[0])))
+            generator = torch.Generator().manual_seed(key % (2**31))
+            rows.append(torch.log_softmax(sharpness * torch.randn(vocab, generator=generator), -1))
+        logprobs = torch.stack(rows)
+        calls.append((pool.logprobs[nodes].clone(), logprobs, nodes.clone(), pool.depths[nodes].clone()))
+        return logprobs
+
+    return expand
+
+
+search_configs = st.builds(
+    SpecExecConfig,
+    budget=st.integers(1, 60),
+    max_depth=st.integers(1, 8),
+    max_branch=st.integers(1, 6),
+    expand_per_forward=st.integers(1, 10),
+    max_draft_forwards=st.one_of(st.none(), st.integers(0, 6)),
+)
+
+
+@given(search_configs, st.integers(0, 2**16), st.floats(0.5, 6.0), st.integers(2, 30))
+def test_search_keeps_the_budget_best_candidates(config, seed, sharpness, vocab):
+    calls = []
+    result = grow_tree(3, table_expand(vocab, seed, sharpness, calls), config)
+    tree = result.tree
+
+    # Shape: the root plus at most `budget` nodes, within max_depth, every parent before its children.
+    assert tree.num_nodes <= config.budget + 1
+    assert int(tree.depths.max()) <= config.max_depth
+    assert tree.parents[0] == -1 and bool((tree.parents[1:] >= 0).all())
+    assert bool((tree.parents[1:] < torch.arange(1, tree.num_nodes)).all())
+    assert bool((tree.logprobs[1:] <= tree.logprobs[tree.parents[1:]]).all())
+    if config.max_draft_forwards is not None:
+        assert result.draft_forwards <= 1 + config.max_draft_forwards
+    assert result.draft_forwards == len(calls)
+
+    # Best-first: the kept nodes are the `budget` best of every candidate the draft's top-k produced.
+    generated = [0.0]
+    for parent_logprobs, logprobs, _, _ in calls:
+        top = logprobs.topk(min(config.max_branch, vocab), dim=-1).values
+        generated += (parent_logprobs[:, None] + top).flatten().tolist()
+    best = sorted(generated, reverse=True)[: tree.num_nodes]
+    assert sorted(tree.logprobs.tolist(), reverse=True) == best
+
+
+@given(search_configs, st.integers(0, 2**16), st.floats(0.5, 6.0), st.integers(2, 30))
+def test_search_only_stops_when_no_expansion_could_help(config, seed, sharpness, vocab):
+    calls = []
+    result = grow_tree(3, table_expand(vocab, seed, sharpness, calls), config)
+    if config.max_draft_forwards is not None and result.draft_forwards == 1 + config.max_draft_forwards:
+        return  # stopped by the forward cap
+    tree, pool = result.tree, result.pool
+    expanded = set()
+    for _, _, nodes, _ in calls:
+        expanded |= set(nodes.tolist())
+    full = tree.num_nodes == config.budget + 1
+    worst = float(tree.logprobs.min())
+    for index, node in enumerate(result.pool_index.tolist()):
+        if node in expanded or int(pool.depths[node]) >= config.max_depth:
+            continue
+        # An unexpanded kept node may only remain if the tree is full and its children could not outrank the worst.
+        assert full and float(tree.logprobs[index]) <= worst
+
+
+def test_search_expands_in_batches_of_the_best_frontier():
+    calls = []
+    config = SpecExecConfig(budget=30, max_depth=5, max_branch=4, expand_per_forward=3)
+    grow_tree(0, table_expand(12, 7, 3.0, calls), config)
+    assert calls[0][2].tolist() == [0]
+    assert all(len(nodes) <= 3 for _, _, nodes, _ in calls)
+    assert any(len(nodes) == 3 for _, _, nodes, _ in calls[1:])
+
+
+@given(random_trees(), st.data())
+def test_acceptance_walk_follows_choices_until_the_first_miss(tree, data):
+    choices = {}
+
+    def choose(node: int) -> int:
+        choices.setdefault(node, data.draw(st.integers(0, 9), label=f"choice at {node}"))
+        return choices[node]
+
+    acceptance = acceptance_walk(tree, choose)
+    node = 0
+    for child in acceptance.path:
+        assert int(tree.parents[child]) == node and int(tree.tokens[child]) == choices[node]
+        node = child
+    bonus = acceptance.tokens[-1]
+    assert bonus == choices[node]
+    assert bonus not in tree.tokens[tree.children(node)].tolist()
+    assert acceptance.tokens[:-1] == tree.tokens[acceptance.path].tolist()
