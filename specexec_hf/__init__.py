@@ -7,6 +7,7 @@
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
 from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
+from .models import load_default_pair, load_default_target
 from .search import SearchResult, grow_tree
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
@@ -41,4 +42,6 @@ __all__ = [
     "acceptance_walk",
     "generate",
     "grow_tree",
+    "load_default_pair",
+    "load_default_target",
 ]

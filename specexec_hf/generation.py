@@ -63,13 +63,14 @@ class TreeLogitsProcessor:
 
 
 def _validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus) -> None:
+    # generate() has already expanded the batch for beams and return sequences: name those first.
+    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
+        raise ValueError("SpecExec supports num_beams=1 and num_return_sequences=1 only.")
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"SpecExec generates one sequence at a time, got a batch of {input_ids.shape[0]}. Call generate() per "
             "prompt (batched serving is what the vLLM integration is for)."
         )
-    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
-        raise ValueError("SpecExec supports num_beams=1 and num_return_sequences=1 only.")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("SpecExec does not return attentions or hidden states; drop output_attentions/hidden_states.")
     if synced_gpus:

@@ -1,0 +1,78 @@
+"""Cache consistency: compacting KV caches after verification equals recomputing them from scratch."""
+
+from __future__ import annotations
+
+import torch
+from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+import specexec_hf  # noqa: F401  (installs speculator="specexec")
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig
+
+
+@torch.no_grad()
+def recomputed_cache(model, ids: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    model(ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def assert_cache_prefix_equal(cache: DynamicCache, reference: DynamicCache) -> None:
+    length = reference.get_seq_length()
+    for ours, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys[..., :length, :], theirs.keys)
+        torch.testing.assert_close(ours.values[..., :length, :], theirs.values)
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    budget=st.integers(1, 24),
+    max_new_tokens=st.integers(1, 24),
+)
+def test_target_cache_after_generate_equals_recomputation(arch, seed, budget, max_new_tokens):
+    target = tiny_model(arch, seed=seed)
+    draft = perturbed_copy(target, 0.05, seed=seed + 1)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(seed))
+    out = target.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+        assistant_model=draft, speculator="specexec", budget=budget,
+    )
+    cache = out.past_key_values
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1
+    assert_cache_prefix_equal(cache, recomputed_cache(target, out.sequences[:, :-1]))
+
+
+@given(seed=st.integers(0, 2**16), budget=st.integers(2, 24), steps=st.integers(1, 5), data=st.data())
+def test_draft_cache_reuses_accepted_nodes_and_matches_recomputation(seed, budget, steps, data):
+    draft = tiny_model("llama", seed=seed)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=budget, expand_per_forward=4))
+    history = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        tree = generator.grow_tree(history).tree
+        assert generator.cached_ids == history[0].tolist()
+        assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history))
+        # Accept a random root-to-node path plus a bonus token, as a verifier would.
+        node = data.draw(st.integers(0, tree.num_nodes - 1))
+        bonus = data.draw(st.integers(0, 63))
+        history = torch.cat([history, tree.path_tokens(node)[None], torch.tensor([[bonus]])], dim=-1)
+    # A history that diverges from what the cache holds is handled by cutting back to the common prefix.
+    diverged = torch.cat([history[:, :3], (history[:, 3:] + 1) % 64], dim=-1)
+    generator.grow_tree(diverged)
+    assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, diverged))
+
+
+def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
+    draft = tiny_model("llama", seed=3)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=30, expand_per_forward=8))
+    history = torch.tensor([[5, 6, 7]])
+    tree = generator.grow_tree(history).tree
+    deep = int(tree.depths.argmax())
+    path = tree.path(deep)[:-1]  # interior nodes were fed to the draft
+    assert path, "the tree should be deeper than one level"
+    fed_before = generator.cache.get_seq_length()
+    generator._sync_cache(torch.cat([history[0], tree.tokens[path], torch.tensor([9])]).tolist())
+    assert generator.cached_ids == history[0].tolist() + tree.tokens[path].tolist()
+    assert generator.cache.get_seq_length() == len(generator.cached_ids) < fed_before

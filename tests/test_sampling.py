@@ -1,0 +1,92 @@
+"""Sampling: SpecExec's output distribution is exactly the target's processed distribution.
+
+With a 5-token vocabulary the target's distribution over 2-token continuations can be enumerated exactly
+(25 outcomes); many seeded SpecExec samples are then compared with it by a chi-square test. Each case also
+checks that the same samples are rejected against the *unprocessed* distribution, so the test has the power
+to notice a sampler that ignores temperature, top-k or top-p.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_model
+from scipy.stats import chisquare
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import specexec_hf  # noqa: F401  (installs speculator="specexec")
+
+VOCAB, NEW_TOKENS, SAMPLES = 5, 2, 1500
+PROMPT = torch.tensor([[1, 3, 0, 2]])
+
+
+def processors(settings: dict) -> LogitsProcessorList:
+    """The warpers generate() builds for these settings, in its order."""
+    warpers = LogitsProcessorList()
+    if "temperature" in settings:
+        warpers.append(TemperatureLogitsWarper(settings["temperature"]))
+    if "top_k" in settings:
+        warpers.append(TopKLogitsWarper(settings["top_k"]))
+    if "top_p" in settings:
+        warpers.append(TopPLogitsWarper(settings["top_p"]))
+    return warpers
+
+
+@torch.no_grad()
+def exact_distribution(model, warpers: LogitsProcessorList) -> dict[tuple[int, ...], float]:
+    def next_probs(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(ids).logits[:, -1].float()
+        return torch.softmax(warpers(ids, logits), dim=-1)[0]
+
+    distribution = {}
+    for continuation in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
+        probability, ids = 1.0, PROMPT
+        for token in continuation:
+            probability *= float(next_probs(ids)[token])
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=-1)
+        distribution[continuation] = probability
+    return distribution
+
+
+def chi_square_p(counts: dict, distribution: dict) -> float:
+    """p-value of the counts under the distribution, pooling outcomes expected fewer than 5 times."""
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for outcome, probability in distribution.items():
+        if probability * SAMPLES >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(probability * SAMPLES)
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += probability * SAMPLES
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    total = sum(expected)
+    return float(chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"temperature": 0.5}, {"temperature": 1.5, "top_k": 3}, {"temperature": 1.2, "top_p": 0.7}],
+    ids=["temperature", "top_k", "top_p"],
+)
+def test_samples_follow_the_targets_processed_distribution(settings):
+    target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
+    draft = perturbed_copy(target, 0.3, seed=12)
+    distribution = exact_distribution(target, processors(settings))
+    assert sum(distribution.values()) == pytest.approx(1.0)
+
+    torch.manual_seed(2024)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(SAMPLES):
+        out = target.generate(
+            PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, **{"top_k": None, "top_p": None, **settings},
+            assistant_model=draft, speculator="specexec", budget=6, max_branch=3,
+        )
+        outcome = tuple(out[0, PROMPT.shape[1] :].tolist())
+        counts[outcome] = counts.get(outcome, 0) + 1
+
+    assert chi_square_p(counts, distribution) > 1e-3
+    assert chi_square_p(counts, exact_distribution(target, LogitsProcessorList())) < 1e-3
