@@ -9,7 +9,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from .compat import check_supported, model_logits
 from .config import SpecExecConfig
 from .kv import compact_cache
-from .search import SearchResult, grow_tree
+from .search import SearchFn, SearchResult, grow_tree
 from .tree import TokenTree
 
 
@@ -33,13 +33,21 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         draft_model: A causal LM sharing the target's tokenizer.
         config: Tree-growth knobs.
         temperature: Temperature applied to the draft's logits before ranking the tree.
+        search: The tree-growth policy; SpecExec's best-first ``grow_tree`` unless a baseline is being measured.
     """
 
-    def __init__(self, draft_model: PreTrainedModel, config: SpecExecConfig, temperature: float = 1.0):
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        config: SpecExecConfig,
+        temperature: float = 1.0,
+        search: SearchFn = grow_tree,
+    ):
         check_supported(draft_model, "draft")
         self.draft_model = draft_model
         self.config = config
         self.temperature = temperature
+        self.search = search
         self.cache = DynamicCache(config=draft_model.config)
         self.cached_ids: list[int] = []
         # The last search's candidate pool, whose root is cached_ids[-1], and each pool node's cache slot (-1: not
@@ -68,7 +76,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             logits = self._forward_nodes(pool, nodes, root_position)
             return self._logprobs(logits)
 
-        return grow_tree(history[-1], expand, self.config, max_depth=max_depth, device=device)
+        return self.search(history[-1], expand, self.config, max_depth=max_depth, device=device)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """The tree's chain with the highest expected acceptance, appended to ``input_ids`` (for chain verifiers)."""

@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from .compat import check_same_vocabulary, check_supported, model_logits
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
+from .search import SearchFn, grow_tree
 from .kv import chain_and_tree_mask, compact_cache
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
@@ -114,6 +115,7 @@ def generate(
     expand_per_forward: int | None = None,
     max_draft_forwards: int | None = None,
     draft_temperature: float | None = None,
+    tree_search: SearchFn = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
     **model_kwargs,
@@ -135,6 +137,7 @@ def generate(
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature: see
             :class:`SpecExecConfig`.
+        tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
         model_kwargs: ``attention_mask`` (all ones), ``past_key_values`` (an empty cache or None) and whatever
@@ -156,7 +159,9 @@ def generate(
         max_draft_forwards=max_draft_forwards,
         draft_temperature=draft_temperature,
     )
-    drafter = SpecExecCandidateGenerator(draft_model, config, _draft_temperature(config, generation_config))
+    drafter = SpecExecCandidateGenerator(
+        draft_model, config, _draft_temperature(config, generation_config), search=tree_search
+    )
     processor = TreeLogitsProcessor(logits_processor)
     stats = specexec_stats if specexec_stats is not None else SpecExecStats()
     cache = model_kwargs.get("past_key_values") or DynamicCache(config=model.config)

@@ -20,6 +20,11 @@ from .tree import TokenTree
 ExpandFn = Callable[[TokenTree, torch.Tensor], torch.Tensor]
 """``expand(pool, nodes) -> logprobs``: the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes``."""
 
+SearchFn = Callable[..., "SearchResult"]
+"""``search(root_token, expand, config, max_depth=None, device=None) -> SearchResult``: a tree-growth policy.
+``grow_tree`` is SpecExec's; other policies (static trees, independent beams) plug into the same drafting and
+verification machinery through ``SpecExecCandidateGenerator(..., search=...)``."""
+
 
 @dataclass
 class SearchResult:
