@@ -61,7 +61,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         history = input_ids[0].tolist()
         self._sync_cache(history)
-        device = input_ids.device
+        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
+        device = self.draft_model.device
         pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=device)
         root_position = len(history) - 1
 

@@ -164,7 +164,9 @@ def generate(
     )
     processor = TreeLogitsProcessor(logits_processor)
     stats = specexec_stats if specexec_stats is not None else SpecExecStats()
-    cache = model_kwargs.get("past_key_values") or DynamicCache(config=model.config)
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        cache = DynamicCache(config=model.config)
     keep_scores, keep_logits = generation_config.output_scores, generation_config.output_logits
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []

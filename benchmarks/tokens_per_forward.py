@@ -1,0 +1,103 @@
+"""Tokens per target forward at the two extremes of draft quality, on the real SmolLM2-135M-Instruct target.
+
+- draft == target: every step should accept the tree's whole top-1 chain plus the bonus token;
+- a random draft (a 2-layer Llama with random weights and the target's vocabulary): trees are guesses, so each
+  forward yields about one token, which is the floor SpecExec never goes below.
+
+Greedy output is checked against plain generate() for every prompt. Writes JSON and Markdown to
+benchmarks/results/. Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 4] [--max-new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import specexec_hf
+from specexec_hf.prompts import load_prompts
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def random_draft(target) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=target.config.vocab_size,
+        hidden_size=target.config.hidden_size,
+        intermediate_size=target.config.intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=target.config.num_attention_heads,
+        num_key_value_heads=target.config.num_key_value_heads,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(target.dtype).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tokenizer = specexec_hf.load_default_target()
+    drafts = {"draft == target": target, "random 2-layer draft": random_draft(target)}
+    rows = []
+    for prompt in load_prompts("eval")[: args.prompts]:
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        expected = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+        for name, draft in drafts.items():
+            for budget in args.budgets:
+                stats = specexec_hf.SpecExecStats()
+                out = target.generate(
+                    **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=draft,
+                    speculator="specexec", budget=budget, specexec_stats=stats,
+                )
+                rows.append(
+                    {
+                        "draft": name,
+                        "budget": budget,
+                        "identical_to_plain_greedy": out.tolist() == expected.tolist(),
+                        **stats.summary(),
+                    }
+                )
+                print(rows[-1], flush=True)
+
+    summary = {}
+    for row in rows:
+        key = f"{row['draft']} @ budget {row['budget']}"
+        entry = summary.setdefault(key, {"new_tokens": 0, "target_forwards": 0, "all_identical": True})
+        entry["new_tokens"] += row["new_tokens"]
+        entry["target_forwards"] += row["target_forwards"]
+        entry["all_identical"] &= row["identical_to_plain_greedy"]
+    for entry in summary.values():
+        entry["tokens_per_target_forward"] = entry["new_tokens"] / entry["target_forwards"]
+    RESULTS.mkdir(exist_ok=True)
+    report = {
+        "command": "benchmarks/tokens_per_forward.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "machine": platform.platform(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "summary": summary,
+        "runs": rows,
+    }
+    (RESULTS / "tokens_per_forward.json").write_text(json.dumps(report, indent=2))
+    lines = ["| draft | budget | tokens per target forward | identical to plain greedy |", "|---|---|---|---|"]
+    for key, entry in summary.items():
+        draft, budget = key.split(" @ budget ")
+        lines.append(f"| {draft} | {budget} | {entry['tokens_per_target_forward']:.2f} | {entry['all_identical']} |")
+    (RESULTS / "tokens_per_forward.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
