@@ -8,6 +8,7 @@ from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
 from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
 from .models import load_default_pair, load_default_target
+from .offload import LayerStreamer, layer_streamer, load_offloaded
 from .search import SearchResult, grow_tree
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
@@ -31,6 +32,7 @@ _install_generate_patch()
 
 __all__ = [
     "Acceptance",
+    "LayerStreamer",
     "SearchResult",
     "SpecExecCandidateGenerator",
     "SpecExecConfig",
@@ -42,6 +44,8 @@ __all__ = [
     "acceptance_walk",
     "generate",
     "grow_tree",
+    "layer_streamer",
     "load_default_pair",
     "load_default_target",
+    "load_offloaded",
 ]

@@ -110,6 +110,8 @@ def _tree_attention_probe(model: PreTrainedModel) -> bool:
     cls = type(model)
     if cls not in _probed_classes:
         device = model.get_input_embeddings().weight.device
+        if device.type == "meta":  # offloaded to disk: accelerate's hooks move inputs to where each layer runs
+            device = torch.device("cpu")
         tokens = torch.tensor([1, 2, 3], device=device) % model.config.vocab_size
         positions = torch.arange(3, device=device)
         causal = model_logits(model, tokens, positions, DynamicCache(config=model.config), 3)

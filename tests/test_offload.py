@@ -1,0 +1,176 @@
+"""Offloaded targets (accelerate hooks and the streaming executor): token-identical to the in-memory target."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specexec_hf.offload import layer_streamer, load_offloaded, offload_device_map
+
+# Whole model on disk; or the embedding kept in memory and the rest on disk (tiny float64 models take ~16 KB for
+# the embedding and ~75 KB per layer, and accelerate reserves room for the largest layer on top).
+PLACEMENTS = {"all on disk": {"cpu": 0}, "cpu and disk": {"cpu": 150_000}}
+
+
+def prompt(seed: int, length: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def offloaded_copy(model, folder: str, placement: str, executor: str, **kwargs):
+    """``model`` dispatched under one of ``PLACEMENTS``, leaving ``model`` itself in memory."""
+    return load_offloaded(
+        copy.deepcopy(model), max_memory=PLACEMENTS[placement], offload_folder=folder, executor=executor, **kwargs
+    )
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    noise=st.sampled_from([0.0, 0.05, 2.0]),
+    prompt_length=st.integers(1, 10),
+    max_new_tokens=st.integers(1, 24),
+    budget=st.integers(1, 24),
+    placement=st.sampled_from(sorted(PLACEMENTS)),
+    executor=st.sampled_from(["accelerate", "stream"]),
+    prefetch=st.integers(1, 3),
+)
+def test_specexec_on_offloaded_target_equals_in_memory_greedy(
+    arch, seed, noise, prompt_length, max_new_tokens, budget, placement, executor, prefetch
+):
+    target = tiny_model(arch, seed=seed)
+    draft = perturbed_copy(target, noise, seed=seed + 1)
+    ids = prompt(seed, prompt_length)
+    expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    with tempfile.TemporaryDirectory() as folder:
+        offloaded = offloaded_copy(target, folder, placement, executor, prefetch=prefetch)
+        assert "disk" in offloaded.hf_device_map.values()
+        got = offloaded.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
+            budget=budget,
+        )
+        plain = offloaded.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    assert got.tolist() == expected.tolist()
+    assert plain.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("executor", ["accelerate", "stream"])
+def test_checkpoint_on_disk_gives_bit_identical_logits(executor, dtype):
+    """Read in place from a float64 safetensors checkpoint, converted to ``dtype`` as from_pretrained does."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_model("llama", seed=3, num_layers=3).save_pretrained(folder)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        offloaded = load_offloaded(folder, max_memory={"cpu": 0}, executor=executor, dtype=dtype)
+        ids = prompt(0, 9)
+        with torch.no_grad():
+            for _ in range(2):  # the second forward runs from prefetched buffers
+                assert torch.equal(offloaded(ids).logits, reference(ids).logits)
+        assert offloaded.dtype == dtype
+
+
+def test_hf_assisted_generation_runs_on_the_streamed_target(llama_pair):
+    target, draft = llama_pair
+    ids = prompt(1, 5)
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    with tempfile.TemporaryDirectory() as folder:
+        offloaded = offloaded_copy(target, folder, "all on disk", "stream")
+        assisted = offloaded.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert assisted.tolist() == expected.tolist()
+
+
+def live_tensor_count() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() touches deprecated torch.distributed aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def anonymous_resident_bytes() -> int:
+    """The process's private resident memory (``RssAnon``); mapped weight files are page cache, not counted."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from Linux /proc")
+def test_streamer_memory_stays_flat_over_200_forwards():
+    """Streamed weights land in buffers allocated once: nothing accumulates, however many forwards run."""
+    # A 16k vocabulary makes the LM head 2 MB, streamed on every forward: any leak of it would show at once.
+    model = tiny_model("llama", seed=0, num_layers=4, vocab_size=16384, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        offloaded = offloaded_copy(model, folder, "all on disk", "stream")
+        streamer = layer_streamer(offloaded)
+        ids = prompt(2, 4)
+        with torch.no_grad():
+            for _ in range(5):
+                offloaded(ids)
+            tensors, resident, buffers = live_tensor_count(), anonymous_resident_bytes(), streamer.buffer_bytes
+            reads = streamer.reads_requested
+            for _ in range(200):
+                offloaded(ids)
+            assert streamer.reads_requested - reads == 200 * len(streamer.unit_names)  # each forward read each unit
+            assert live_tensor_count() == tensors
+            assert streamer.buffer_bytes == buffers
+            assert anonymous_resident_bytes() - resident < 8 * 2**20
+            streamer.close()
+            with pytest.raises(RuntimeError, match="shutdown"):
+                offloaded(ids)  # a closed streamer refuses to read rather than compute with stale buffers
+
+
+def test_device_map_is_per_layer_and_keeps_parameter_free_modules_off_disk():
+    model = tiny_model("llama", num_layers=3)
+    device_map = offload_device_map(model, {"cpu": 0})
+    assert device_map == {
+        "model.embed_tokens": "disk",
+        "model.layers.0": "disk",
+        "model.layers.1": "disk",
+        "model.layers.2": "disk",
+        "model.norm": "disk",
+        "lm_head": "disk",
+        "model.rotary_emb": "cpu",
+    }
+    assert set(offload_device_map(model, None).values()) == {"cpu"}
+
+
+def test_bad_arguments_are_named():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="Unknown executor='fast'"):
+        load_offloaded(model, max_memory={"cpu": 0}, executor="fast")
+    with pytest.raises(ValueError, match="offload_folder"):
+        load_offloaded(copy.deepcopy(model), max_memory={"cpu": 0})
+    with pytest.raises(ValueError, match="prefetch"):
+        load_offloaded(model, max_memory={"cpu": 0}, executor="stream", prefetch=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="needs optimum-quanto")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quanto_quantized_target_equals_its_own_greedy(weights):
+    """transformers' quanto integration: SpecExec reproduces the quantized target's greedy output."""
+    from transformers import AutoModelForCausalLM, QuantoConfig
+
+    target = tiny_model("llama", seed=5, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        target.save_pretrained(folder)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=QuantoConfig(weights=weights), attn_implementation="sdpa"
+        )
+    ids = prompt(5, 6)
+    expected = quantized.generate(ids, max_new_tokens=20, do_sample=False)
+    got = quantized.generate(
+        ids, max_new_tokens=20, do_sample=False, assistant_model=perturbed_copy(target, 0.05, 6),
+        speculator="specexec", budget=12,
+    )
+    assert got.tolist() == expected.tolist()
+    assert type(quantized.model.layers[0].mlp.down_proj).__name__ == "QLinear"
