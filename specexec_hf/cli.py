@@ -1,4 +1,4 @@
-"""``specexec-hf``: generate with SpecExec from the command line, and distill drafts."""
+"""``specexec-hf``: generate with SpecExec from the command line, distill drafts, and benchmark."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import distill
+    from . import bench, distill
 
     parser = argparse.ArgumentParser(prog="specexec-hf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     distill.add_arguments(distill_parser)
     distill_parser.set_defaults(handler=distill.run)
+    bench_parser = commands.add_parser(
+        "bench",
+        help="Benchmark SpecExec against autoregressive, HF assisted, SpecInfer- and Sequoia-style trees.",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(handler=bench.run)
     return parser
 
 

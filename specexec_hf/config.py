@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,8 @@ class SpecExecConfig:
         budget: Most draft tokens in the tree (the root, the last committed token, comes on top). The target
             scores ``budget + 1`` tokens per forward, so pick it by how the target's forward time grows with
             tokens: small (16-64) for an in-memory target on a CPU, large (256-1024) for an offloaded one.
+            ``"auto"`` lets ``generate()`` pick it before every step from the target's measured forward times
+            and the running acceptance profile (see :mod:`specexec_hf.autobudget`).
         max_depth: Deepest level a tree node may reach, so at most ``max_depth + 1`` tokens per target forward.
         max_branch: Children considered per expanded node (the draft's top-k tokens there).
         expand_per_forward: How many frontier nodes one draft forward expands, all in one batched call.
@@ -24,7 +26,7 @@ class SpecExecConfig:
             the output distribution is the target's either way.
     """
 
-    budget: int = 64
+    budget: int | Literal["auto"] = 64
     max_depth: int = 16
     max_branch: int = 8
     expand_per_forward: int = 16
@@ -34,6 +36,8 @@ class SpecExecConfig:
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
             value = getattr(self, name)
+            if name == "budget" and value == "auto":  # resolved by generate() before every step
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SpecExecConfig.{name} must be a positive integer, got {value!r}.")
         if self.max_draft_forwards is not None and (

@@ -86,7 +86,9 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, chain[None].to(input_ids)], dim=-1), None
 
     def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits / self.temperature, dim=-1)
+        # Dividing by 1.0 would still copy the [nodes, vocab] logits.
+        scaled = logits if self.temperature == 1.0 else logits / self.temperature
+        return torch.log_softmax(scaled, dim=-1)
 
     def _forward_nodes(self, pool: TokenTree, nodes: torch.Tensor, root_position: int) -> torch.Tensor:
         """Feeds pool ``nodes`` (whose ancestors are all in the cache already) in one batched draft call."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from .autobudget import auto_budget_for
 from .compat import check_same_vocabulary, check_supported, model_logits
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
@@ -109,7 +111,7 @@ def generate(
     draft_model: PreTrainedModel | None = None,
     specexec_config: SpecExecConfig | None = None,
     specexec_stats: SpecExecStats | None = None,
-    budget: int | None = None,
+    budget: int | Literal["auto"] | None = None,
     max_depth: int | None = None,
     max_branch: int | None = None,
     expand_per_forward: int | None = None,
@@ -136,7 +138,7 @@ def generate(
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature: see
-            :class:`SpecExecConfig`.
+            :class:`SpecExecConfig`; ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
@@ -159,9 +161,9 @@ def generate(
         max_draft_forwards=max_draft_forwards,
         draft_temperature=draft_temperature,
     )
-    drafter = SpecExecCandidateGenerator(
-        draft_model, config, _draft_temperature(config, generation_config), search=tree_search
-    )
+    draft_temperature = _draft_temperature(config, generation_config)
+    drafter = SpecExecCandidateGenerator(draft_model, config, draft_temperature, search=tree_search)
+    auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     processor = TreeLogitsProcessor(logits_processor)
     stats = specexec_stats if specexec_stats is not None else SpecExecStats()
     cache = model_kwargs.get("past_key_values")
@@ -177,6 +179,8 @@ def generate(
     while not finished:
         length = sequence.shape[1]
         started = time.perf_counter()
+        if auto_budget is not None:
+            drafter.config = config.updated(budget=auto_budget.choose(generation_config.max_length - length - 1))
         grown = drafter.grow_tree(sequence, max_depth=generation_config.max_length - length - 1)
         tree = grown.tree
         drafted = time.perf_counter()
@@ -199,6 +203,8 @@ def generate(
             return int(scores.argmax(dim=-1))
 
         acceptance = acceptance_walk(tree, choose)
+        if auto_budget is not None:
+            auto_budget.observe(tree, acceptance, drafted - started)
         # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
         compact_cache(cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
         cached = length + len(acceptance.path)

@@ -1,0 +1,11 @@
+"""The benchmark grid of ``specexec-hf bench``, runnable from a checkout.
+
+Run: .venv/bin/python benchmarks/run.py [--prompts 8] [--max-new-tokens 64] [--budgets 16 32 ...] [--help]
+"""
+
+import sys
+
+from specexec_hf.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

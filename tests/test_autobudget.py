@@ -1,0 +1,129 @@
+"""budget="auto": the modelled tokens/s argmax, the running acceptance profile, profile caching, exact output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specexec_hf
+from specexec_hf import SpecExecConfig, SpecExecStats, TokenTree
+from specexec_hf import autobudget
+from specexec_hf.autobudget import AcceptanceProfile, AutoBudget, ForwardProfile
+from specexec_hf.baselines import best_first_nodes
+from specexec_hf.verify import Acceptance
+
+CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Forward profiles go to a fresh directory and in-process cache for every test."""
+    monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(autobudget, "_profiles", {})
+
+
+@given(
+    fixed=st.floats(1e-3, 1.0),
+    per_token=st.floats(0.0, 1e-2),
+    draft_forward=st.floats(0.0, 0.1),
+    expand_per_forward=st.integers(1, 32),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8),
+    max_depth=st.integers(1, 16),
+)
+def test_choice_is_the_argmax_of_modelled_tokens_per_second(
+    fixed, per_token, draft_forward, expand_per_forward, rates, max_depth
+):
+    profile = ForwardProfile({b + 1: fixed + per_token * (b + 1) for b in CANDIDATES})
+    acceptance = AcceptanceProfile(hits=rates, visits=[1.0] * len(rates))
+    auto = AutoBudget(profile, draft_forward, expand_per_forward, acceptance, CANDIDATES, max_depth)
+    _, _, values = best_first_nodes(rates, max(CANDIDATES), max_depth)
+
+    def modelled(budget: int) -> float:
+        tokens = sum(values[: budget + 1])  # the root's 1.0 is the bonus token
+        draft_forwards = 1 + math.ceil(budget / expand_per_forward)
+        return tokens / (fixed + per_token * (budget + 1) + draft_forward * draft_forwards)
+
+    best = max(modelled(b) for b in CANDIDATES)
+    chosen = auto.choose()
+    assert math.isclose(modelled(chosen), best, rel_tol=1e-9)
+    assert chosen == min(b for b in CANDIDATES if math.isclose(modelled(b), best, rel_tol=1e-9))
+
+
+def test_flat_forward_time_picks_a_large_budget_and_linear_time_a_small_one():
+    acceptance = AcceptanceProfile(hits=[0.8, 0.1, 0.05], visits=[1.0, 1.0, 1.0])
+    offloaded = ForwardProfile({b + 1: 1.0 for b in CANDIDATES})  # weights streamed: tokens are nearly free
+    compute_bound = ForwardProfile({b + 1: 0.01 * (b + 1) for b in CANDIDATES})
+    assert AutoBudget(offloaded, 0.0, 16, acceptance, CANDIDATES).choose() == 1024
+    assert AutoBudget(compute_bound, 0.0, 16, acceptance, CANDIDATES).choose() == 8
+
+
+def test_observed_draft_time_rescales_the_draft_model():
+    acceptance = AcceptanceProfile(hits=[0.9], visits=[1.0])
+    auto = AutoBudget(ForwardProfile({b + 1: 1.0 for b in CANDIDATES}), 0.01, 16, acceptance, CANDIDATES)
+    assert auto.step_seconds(32) == pytest.approx(1.0 + 0.03)
+    tree = TokenTree.from_root(0)
+    tree.add_children(torch.zeros(16, dtype=torch.long), torch.arange(16), torch.full((16,), -1.0))
+    auto.observe(tree, Acceptance(path=[], tokens=[99]), draft_seconds=0.2)  # modelled 0.02 s: 10x slower
+    assert auto.step_seconds(32) == pytest.approx(1.0 + 0.3)
+
+
+def test_forward_profile_interpolates_and_extends_linearly():
+    profile = ForwardProfile({2: 1.0, 4: 2.0, 8: 2.0})
+    assert profile(3) == 1.5 and profile(4) == 2.0 and profile(6) == 2.0
+    assert profile(1) == 0.5 and profile(16) == 2.0
+
+
+def test_acceptance_profile_counts_ranks_present_at_visited_nodes():
+    # Root 0 with children 1 (token 5, best) and 2 (token 7); node 1 with child 3 (token 9).
+    tree = TokenTree(
+        tokens=torch.tensor([0, 5, 7, 9]),
+        parents=torch.tensor([-1, 0, 0, 1]),
+        depths=torch.tensor([0, 1, 1, 2]),
+        logprobs=torch.tensor([0.0, -0.1, -2.0, -0.5]),
+    )
+    profile = AcceptanceProfile(hits=[0.0] * 3, visits=[0.0] * 3)
+    # The target took token 5 (rank 0) at the root, then 4 at node 1, which has one child only.
+    profile.observe(tree, Acceptance(path=[1], tokens=[5, 4]))
+    assert profile.hits == [1.0, 0.0, 0.0] and profile.visits == [2.0, 1.0, 0.0]
+
+
+def test_profiles_are_measured_once_then_read_from_disk(monkeypatch):
+    model = tiny_model("llama", seed=0)
+    first = autobudget.forward_profile(model, [1, 4])
+    assert sorted(first.seconds) == [1, 4]
+    monkeypatch.setattr(autobudget, "_profiles", {})
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the profile should have come from the disk cache")
+
+    monkeypatch.setattr(autobudget, "measure_forward_profile", fail)
+    assert autobudget.forward_profile(model, [1, 4]).seconds == first.seconds
+
+
+@given(seed=st.integers(0, 2**16), max_new_tokens=st.integers(1, 24), noise=st.sampled_from([0.0, 0.05]))
+def test_auto_budget_keeps_greedy_output(seed, max_new_tokens, noise):
+    target = tiny_model("llama", seed=seed % 4)  # few distinct models: each profile is measured once
+    draft = perturbed_copy(target, noise, seed=seed + 1)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed))
+    expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    stats = SpecExecStats()
+    got = target.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
+        budget="auto", specexec_stats=stats,
+    )
+    assert got.tolist() == expected.tolist()
+    assert all(step.tree_size - 1 <= max(CANDIDATES) for step in stats.steps)
+
+
+def test_config_accepts_auto_only_as_the_budget():
+    assert SpecExecConfig(budget="auto").budget == "auto"
+    for bad in ("Auto", "64", 0):
+        with pytest.raises(ValueError):
+            SpecExecConfig(budget=bad)
+    with pytest.raises(ValueError):
+        SpecExecConfig(max_depth="auto")

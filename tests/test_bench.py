@@ -1,0 +1,81 @@
+"""The benchmark harness on tiny models: every method runs, counts add up, greedy outputs match."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_model
+
+from specexec_hf import autobudget
+from specexec_hf.bench import Bench, Run, add_arguments, goals, plan, summarize, write_markdown
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(autobudget, "_profiles", {})
+
+
+def test_every_method_runs_and_matches_greedy_generate(tmp_path):
+    target = tiny_model("llama", seed=0)
+    draft = perturbed_copy(target, 0.05, seed=1)
+    prompts = [torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    bench = Bench(target, draft, prompts, max_new_tokens=12, top_p=0.9, seed=0, acceptance={0.0: [0.6, 0.2, 0.1]})
+    runs = [
+        Run("autoregressive", 0.0), Run("hf_assisted", 0.0), Run("hf_assisted", 0.0, assistant_tokens=3),
+        Run("specinfer", 0.0, budget=8), Run("sequoia", 0.0, budget=8), Run("specexec", 0.0, budget=8),
+        Run("specexec_auto", 0.0, budget="auto"),
+    ]
+    results = [bench.measure(run, lambda: None) for run in runs]
+    reference = [record["output"] for record in results[0]["records"]]
+    for result in results:
+        assert [record["output"] for record in result["records"]] == reference, result["label"]
+        assert result["new_tokens"] == 24
+        assert result["target_forwards"] >= 2 and result["peak_rss_bytes"] > 0
+    assert results[0]["target_forwards"] == 24 and results[0]["draft_forwards"] == 0
+    assert all(size <= 9 for size in results[3]["records"][0]["tree_sizes"])
+
+    report = {
+        "environment": {
+            "command": "test", "arguments": {"max_new_tokens": 12}, "machine": {"cpu": "cpu", "torch_threads": 1},
+            "versions": {"torch": "t", "transformers": "t"},
+        },
+        "models": {
+            "target": {"name": "tiny", "parameters": 1, "offload": None}, "draft": {"name": "tiny", "parameters": 1}
+        },
+        "prompts": ["a", "b"], "top_p": 0.9, "complete": True, "acceptance": {}, "results": results,
+        "goals": goals(results),
+    }
+    write_markdown(report, tmp_path / "bench.md")
+    assert "| specexec@8 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_plan_puts_autoregressive_first_and_expands_settings():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--methods", "specexec", "autoregressive", "hf_assisted", "specinfer",
+                              "--budgets", "16", "64", "--tree-budgets", "64", "--assistant-tokens", "4",
+                              "--temperatures", "0", "0.6"])
+    labels = [(run.temperature, run.label) for run in plan(args)]
+    assert labels == [
+        (0.0, "autoregressive"), (0.0, "specexec@16"), (0.0, "specexec@64"), (0.0, "hf_assisted"),
+        (0.0, "hf_assisted@4"), (0.0, "specinfer@64"),
+        (0.6, "autoregressive"), (0.6, "specexec@16"), (0.6, "specexec@64"), (0.6, "hf_assisted"),
+        (0.6, "hf_assisted@4"), (0.6, "specinfer@64"),
+    ]
+
+
+def test_summary_pools_tokens_per_forward_and_takes_quantiles_across_prompts():
+    records = [
+        {"new_tokens": 10, "seconds": 1.0, "target_forwards": 5, "draft_forwards": 9, "target_seconds": 0.5,
+         "draft_seconds": 0.3, "tokens_per_target_forward": 2.0, "tree_sizes": [3, 5]},
+        {"new_tokens": 10, "seconds": 1.0, "target_forwards": 2, "draft_forwards": 4, "target_seconds": 0.5,
+         "draft_seconds": 0.3, "tokens_per_target_forward": 5.0, "tree_sizes": [4]},
+    ]
+    summary = summarize(records)
+    assert summary["tokens_per_target_forward"] == 20 / 7
+    assert summary["tokens_per_target_forward_p10"] == pytest.approx(2.3)
+    assert summary["tokens_per_target_forward_p90"] == pytest.approx(4.7)
+    assert summary["host_share"] == pytest.approx(0.2) and summary["mean_tree_size"] == 4
