@@ -41,7 +41,7 @@ import torch
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..compat import check_supported
+from ..compat import check_draft_vocabulary, check_supported
 from ..config import SpecExecConfig
 from ..draft import SpecExecCandidateGenerator
 
@@ -158,23 +158,6 @@ def sampled_verification_works(device: torch.device) -> bool:
     return torch.equal(expanded, temperature)
 
 
-def check_vocabulary(target_vocab_size: int, draft: PreTrainedModel) -> None:
-    """Raises ``ValueError`` unless the draft scores exactly the target's vocabulary.
-
-    Args:
-        target_vocab_size: ``vllm_config.model_config.get_vocab_size()``.
-        draft: The loaded draft model.
-    """
-    draft_size = draft.get_output_embeddings().weight.shape[0]
-    if draft_size != target_vocab_size:
-        raise ValueError(
-            f"The SpecExec draft's vocabulary ({draft_size} logits) does not match the vLLM target's "
-            f"({target_vocab_size}). Proposed token ids go to the target as they are, so the draft must use the "
-            "target's tokenizer and vocab_size: pick a draft from the same model family, or distill one with "
-            "`specexec-hf distill`."
-        )
-
-
 @dataclass
 class ProposerStats:
     """Running totals of the proposer's work, for benchmarks (``vllm.LLM.collective_rpc`` can read them).
@@ -229,7 +212,7 @@ class SpecExecProposer:
             self.settings.draft_model, dtype=dtype, attn_implementation="sdpa"
         )
         draft = draft.to(self.device).eval()
-        check_vocabulary(self.target_vocab_size, draft)
+        check_draft_vocabulary(self.target_vocab_size, draft, target_name="vLLM target")
         check_supported(draft, "draft")  # fail at engine start, not on the first request
         self.draft = draft
         self.speculate_sampled = sampled_verification_works(self.device)

@@ -102,7 +102,7 @@ class StaticTreeSearch:
             device: Where the tree's tensors live.
         """
         pool = TokenTree.from_root(root_token, device=device)
-        depth_limit = config.max_depth if max_depth is None else min(max_depth, config.max_depth)
+        depth_limit = config.depth_limit(max_depth)
         level = torch.zeros(1, dtype=torch.long, device=pool.device)  # the nodes the next forward expands
         if depth_limit < 1:  # no room for draft tokens: the target adds its bonus token alone
             return SearchResult(pool, pool, level, 0)

@@ -119,22 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_generate_arguments(generate)
     generate.set_defaults(handler=_run_generate)
-    distill_parser = commands.add_parser(
-        "distill",
-        help="Distill a small draft for a target that lacks a small sibling.",
-        description=distill.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    distill.add_arguments(distill_parser)
-    distill_parser.set_defaults(handler=distill.run)
-    bench_parser = commands.add_parser(
-        "bench",
-        help="Benchmark SpecExec against autoregressive, HF assisted, SpecInfer- and Sequoia-style trees.",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(handler=bench.run)
+    for name, module, summary in (
+        ("distill", distill, "Distill a small draft for a target that lacks a small sibling."),
+        ("bench", bench, "Benchmark SpecExec against autoregressive, HF assisted, SpecInfer- and Sequoia-style trees."),
+    ):
+        subparser = commands.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.add_arguments(subparser)
+        subparser.set_defaults(handler=module.run)
     return parser
 
 

@@ -67,13 +67,23 @@ def _uses_sliding_window(config) -> bool:
 
 
 def check_same_vocabulary(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    target_size = target.get_output_embeddings().weight.shape[0]
+    check_draft_vocabulary(target.get_output_embeddings().weight.shape[0], draft)
+
+
+def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, target_name: str = "target") -> None:
+    """Raises ``ValueError`` unless the draft scores exactly the target's ``target_vocab_size`` tokens.
+
+    Args:
+        target_vocab_size: Logits the target produces per token.
+        draft: The draft model.
+        target_name: How the message names the target (e.g. ``"vLLM target"``).
+    """
     draft_size = draft.get_output_embeddings().weight.shape[0]
-    if target_size != draft_size:
+    if draft_size != target_vocab_size:
         raise ValueError(
-            f"The draft's vocabulary ({draft_size} logits) does not match the target's ({target_size}). SpecExec "
-            "compares token ids directly, so the draft must use the target's tokenizer: pick a draft from the "
-            "same model family, or distill one with `specexec-hf distill`."
+            f"The draft's vocabulary ({draft_size} logits) does not match the {target_name}'s ({target_vocab_size}). "
+            "SpecExec compares token ids directly, so the draft must use the target's tokenizer and vocab_size: "
+            "pick a draft from the same model family, or distill one with `specexec-hf distill`."
         )
 
 

@@ -52,6 +52,10 @@ class SpecExecConfig:
                 f"SpecExecConfig.draft_temperature must be None or > 0, got {self.draft_temperature!r}."
             )
 
+    def depth_limit(self, max_depth: int | None = None) -> int:
+        """``max_depth``, tightened by a per-tree limit (e.g. the tokens still allowed, minus the bonus token)."""
+        return self.max_depth if max_depth is None else min(max_depth, self.max_depth)
+
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

@@ -64,7 +64,7 @@ def grow_tree(
         max_depth: Tighter depth limit for this tree (e.g. the tokens still allowed, minus the bonus token).
         device: Where the tree's tensors live.
     """
-    depth_limit = config.max_depth if max_depth is None else min(max_depth, config.max_depth)
+    depth_limit = config.depth_limit(max_depth)
     forward_limit = None if config.max_draft_forwards is None else 1 + config.max_draft_forwards
     pool = TokenTree.from_root(root_token, device=device)
     expanded = torch.zeros(1, dtype=torch.bool, device=pool.device)
