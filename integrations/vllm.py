@@ -2,7 +2,7 @@
 
 Each engine step vLLM hands the proposer every running request's token history; for each request the
 proposer grows a SpecExec tree with the draft model (one :class:`SpecExecCandidateGenerator` per request, so
-the draft's KV cache carries over from step to step) and proposes the tree's best root-to-leaf chain, up to
+the draft's KV cache carries over from step to step; all requests share each batched draft forward) and proposes the tree's best root-to-leaf chain, up to
 ``num_speculative_tokens`` tokens. vLLM (0.32-0.33) verifies chains only, so the tree decides *which* chain
 the target checks; the target's rejection sampler keeps the output exactly the target's.
 
@@ -22,9 +22,13 @@ Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``
 ``SPECEXEC_BUDGET``, ...), which the JSON overrides. Settings: ``draft_model`` (path or hub id, required),
 ``draft_dtype`` (default: the target's dtype) and the :class:`SpecExecConfig` knobs.
 
+All requests of a step grow their trees together (:func:`~specexec_hf.draft.grow_trees`): each round of the
+best-first searches is one batched draft forward, so a step costs about as many draft calls as its deepest
+tree, not the sum over requests.
+
 Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
-and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); trees are grown one
-request at a time; vLLM runs ``custom_class`` proposers on its V1 model runner with synchronous scheduling.
+and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); vLLM runs
+``custom_class`` proposers on its V1 model runner with synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..compat import check_draft_vocabulary, check_supported
 from ..config import SpecExecConfig
-from ..draft import SpecExecCandidateGenerator
+from ..draft import SpecExecCandidateGenerator, grow_trees
 
 try:
     import vllm
@@ -166,7 +170,7 @@ class ProposerStats:
         proposals: Requests that received a proposal, summed over steps.
         proposed_tokens: Draft tokens proposed.
         tree_nodes: Tree nodes grown (roots excluded) for those proposals.
-        draft_forwards: Draft forward calls.
+        draft_forwards: Draft forward calls (one call serves every request of a step that still grows its tree).
         draft_seconds: Wall time spent growing trees.
     """
 
@@ -270,30 +274,28 @@ class SpecExecProposer:
         if not self.speculate_sampled and bool((temperatures > 0).any()):
             # Requests without draft tokens skip the broken path (see sampled_verification_works).
             return [[] for _ in sampled_token_ids]
-        drafts: list[list[int]] = []
-        with torch.inference_mode():
-            for row, sampled in enumerate(sampled_token_ids):
-                length = int(num_tokens_no_spec[row])
-                depth = min(self.num_speculative_tokens, self.max_model_len - length)
-                if not sampled or depth < 1:
-                    drafts.append([])
-                    continue
-                generator = self._generator(req_ids[row], float(temperatures[row]))
-                drafts.append(self._propose_one(generator, token_ids_cpu[row, :length], depth))
-        return drafts
-
-    def _propose_one(self, generator: SpecExecCandidateGenerator, history: np.ndarray, depth: int) -> list[int]:
-        """Grows one request's tree (its draft cache reused by prefix) and returns the tree's best chain."""
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        requests, rows = [], []
+        for row, sampled in enumerate(sampled_token_ids):
+            length = int(num_tokens_no_spec[row])
+            depth = min(self.num_speculative_tokens, self.max_model_len - length)
+            if sampled and depth >= 1:
+                history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None].to(self.device)
+                requests.append((self._generator(req_ids[row], float(temperatures[row])), history, depth))
+                rows.append(row)
+        if not requests:
+            return drafts
         started = time.perf_counter()
-        input_ids = torch.from_numpy(history.astype(np.int64))[None].to(self.device)
-        result = generator.grow_tree(input_ids, max_depth=depth)
-        chain = result.tree.tokens[result.tree.best_path()].tolist()
-        self.stats.proposals += 1
-        self.stats.proposed_tokens += len(chain)
-        self.stats.tree_nodes += result.tree.num_nodes - 1
-        self.stats.draft_forwards += result.draft_forwards
+        with torch.inference_mode():
+            batch = grow_trees(requests)
+        for row, result in zip(rows, batch.results):
+            drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
+            self.stats.proposed_tokens += len(drafts[row])
+            self.stats.tree_nodes += result.tree.num_nodes - 1
+        self.stats.proposals += len(rows)
+        self.stats.draft_forwards += batch.draft_calls
         self.stats.draft_seconds += time.perf_counter() - started
-        return chain
+        return drafts
 
     def _generator(self, req_id: str, request_temperature: float) -> SpecExecCandidateGenerator:
         """The request's generator, created on its first proposal with the request's draft temperature."""

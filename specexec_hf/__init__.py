@@ -5,11 +5,11 @@
 """
 
 from .config import SpecExecConfig
-from .draft import SpecExecCandidateGenerator
+from .draft import SpecExecCandidateGenerator, TreeBatch, grow_trees
 from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
 from .models import load_default_pair, load_default_target
 from .offload import LayerStreamer, layer_streamer, load_offloaded
-from .search import SearchResult, grow_tree
+from .search import BestFirstSearch, SearchResult, grow_tree
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
 from .verify import Acceptance, acceptance_walk
@@ -32,6 +32,7 @@ _install_generate_patch()
 
 __all__ = [
     "Acceptance",
+    "BestFirstSearch",
     "LayerStreamer",
     "SearchResult",
     "SpecExecCandidateGenerator",
@@ -40,10 +41,12 @@ __all__ = [
     "SpecExecStats",
     "StepStats",
     "TokenTree",
+    "TreeBatch",
     "TreeLogitsProcessor",
     "acceptance_walk",
     "generate",
     "grow_tree",
+    "grow_trees",
     "layer_streamer",
     "load_default_pair",
     "load_default_target",

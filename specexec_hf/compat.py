@@ -66,8 +66,14 @@ def _uses_sliding_window(config) -> bool:
     return getattr(config, "use_sliding_window", True) is not False
 
 
+def logits_width(model: PreTrainedModel) -> int:
+    """How many logits ``model`` produces per token (a subset head still produces the full vocabulary's)."""
+    head = model.get_output_embeddings()
+    return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
 def check_same_vocabulary(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    check_draft_vocabulary(target.get_output_embeddings().weight.shape[0], draft)
+    check_draft_vocabulary(logits_width(target), draft)
 
 
 def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, target_name: str = "target") -> None:
@@ -78,7 +84,7 @@ def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, targe
         draft: The draft model.
         target_name: How the message names the target (e.g. ``"vLLM target"``).
     """
-    draft_size = draft.get_output_embeddings().weight.shape[0]
+    draft_size = logits_width(draft)
     if draft_size != target_vocab_size:
         raise ValueError(
             f"The draft's vocabulary ({draft_size} logits) does not match the {target_name}'s ({target_vocab_size}). "
@@ -113,6 +119,81 @@ def model_logits(
     if model._supports_logits_to_keep():
         kwargs["logits_to_keep"] = num_logits
     return model(**kwargs).logits[0, -num_logits:].float()
+
+
+class NodeLogits:
+    """The target's float32 logits for each tree node, computed from its last hidden states on first use.
+
+    The acceptance walk reads the logits of the nodes it visits (the accepted path plus one), typically a handful
+    out of hundreds. Applying the LM head to those rows only, instead of to every node, saves most of the head's
+    cost: on SmolLM2-135M the head is about a fifth of a forward's work per token.
+
+    Args:
+        hidden: ``[num_nodes, hidden]`` final hidden states, or ``None`` when ``logits`` are given.
+        head: The model's output embedding (a bias-free linear layer).
+        logits: ``[num_nodes, vocab]`` precomputed logits, for models whose head cannot be applied lazily.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor | None = None,
+        head: torch.nn.Module | None = None,
+        logits: torch.Tensor | None = None,
+    ):
+        self.hidden, self.head = hidden, head
+        self._rows: dict[int, torch.Tensor] = {}
+        self._logits = logits
+
+    def row(self, node: int) -> torch.Tensor:
+        """``[1, vocab]`` logits of ``node``."""
+        if self._logits is not None:
+            return self._logits[node : node + 1]
+        if node not in self._rows:
+            self._rows[node] = self.head(self.hidden[node : node + 1]).float()
+        return self._rows[node]
+
+
+def _head_applies_lazily(model: PreTrainedModel) -> bool:
+    """Whether ``logits == lm_head(last hidden state)`` can be applied outside the forward.
+
+    That holds for the verified families' plain linear heads held in memory; heads wrapped by offloading hooks
+    (weights streamed in around each call) or quantized layers go through the model's own forward instead.
+    """
+    head = model.get_output_embeddings()
+    return (
+        model.config.model_type in VERIFIED_MODEL_TYPES
+        and type(head) is torch.nn.Linear
+        and head.bias is None
+        and head.weight.device.type != "meta"
+        and not head._forward_pre_hooks
+        and not head._forward_hooks
+        and not hasattr(head, "_hf_hook")
+        and model.base_model is not model
+    )
+
+
+def node_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    num_nodes: int,
+    visible: torch.Tensor,
+) -> NodeLogits:
+    """One target forward over ``input_ids``; the logits of its last ``num_nodes`` tokens, per node on demand.
+
+    Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes.
+    """
+    if not _head_applies_lazily(model):
+        return NodeLogits(logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible))
+    hidden = model.base_model(
+        input_ids=input_ids[None],
+        position_ids=position_ids[None],
+        past_key_values=cache,
+        use_cache=True,
+        attention_mask=additive_mask(visible, model.dtype),
+    ).last_hidden_state
+    return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
 
 
 def _tree_attention_probe(model: PreTrainedModel) -> bool:

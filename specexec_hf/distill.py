@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from .models import build_draft, draft_config_from_target, load_default_target, own_state_dict, share_target_embeddings
 from .prompts import load_prompt_records, prompt_file
+from .vocab import frequent_tokens, restrict_draft_vocabulary
 
 STAGES = ("generate", "train", "evaluate", "export")
 DEFAULT_TARGET = "smollm2"
@@ -829,6 +830,25 @@ def eval_references(args: argparse.Namespace, target: PreTrainedModel, tokenizer
     return rows
 
 
+def target_token_counts(data_dir: Path, vocab_size: int, top: int = 8) -> torch.Tensor:
+    """``[vocab_size]`` how often each token is among the target's ``top`` likeliest in the generated data."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    paths = shard_paths(data_dir)
+    if not paths:
+        raise FileNotFoundError(f"--draft-vocab counts tokens in the generated data, but {data_dir} has no shards.")
+    for path in paths:
+        for row in torch.load(path)["rows"]:
+            counts += torch.bincount(row["topk_ids"][:, :top].long().reshape(-1), minlength=vocab_size)
+    return counts
+
+
+def restrict_to_frequent_tokens(args: argparse.Namespace, draft: PreTrainedModel) -> None:
+    """With ``--draft-vocab N``: the draft's head scores only the N tokens the target ranks high most often."""
+    if args.draft_vocab:
+        counts = target_token_counts(Path(args.out) / "data", draft.config.vocab_size)
+        restrict_draft_vocabulary(draft, frequent_tokens(counts, args.draft_vocab))
+
+
 @torch.inference_mode()
 def agreement(draft: PreTrainedModel, references: list[dict[str, Any]]) -> dict[str, float]:
     """Teacher-forced on the target's greedy answers: the draft's top-1 agreement and top-4 coverage.
@@ -896,6 +916,7 @@ def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, token
     """Stage ``evaluate``: agreement report of a checkpoint on held-out prompts, saved as ``OUT/agreement.json``."""
     path = resolve_checkpoint(args)
     draft, spec, saved = load_checkpoint_draft(path, target)
+    restrict_to_frequent_tokens(args, draft)
     references = eval_references(args, target, tokenizer)
     longest = max(references, key=lambda row: len(row["input_ids"]))
     report = {
@@ -903,6 +924,7 @@ def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, token
         "step": saved["state"]["step"],
         "eval_prompts": str(args.eval_prompts),
         "max_new_tokens": args.max_new_tokens,
+        "draft_vocab": args.draft_vocab or None,
         **agreement(draft, references),
         "forward_cost": forward_cost(target, draft, longest["input_ids"].long().unsqueeze(0)),
     }
@@ -918,20 +940,26 @@ def export_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokeniz
     """
     path = resolve_checkpoint(args)
     draft, spec, saved = load_checkpoint_draft(path, target)
+    restrict_to_frequent_tokens(args, draft)
     report_path = Path(args.out) / "agreement.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    if report is None or report["checkpoint"] != str(path) or report["step"] != saved["state"]["step"]:
+    evaluated = (str(path), saved["state"]["step"], args.draft_vocab or None)
+    if report is None or (report["checkpoint"], report["step"], report.get("draft_vocab")) != evaluated:
         report = evaluate_checkpoint(args, target, tokenizer)
     destination = Path(args.export_path) if args.export_path else Path(args.out) / "draft.safetensors"
     destination.parent.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.export_dtype)
-    weights = {name: tensor.to(dtype).contiguous() for name, tensor in draft_weights(draft, spec).items()}
+    weights = {
+        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+        for name, tensor in draft_weights(draft, spec).items()
+    }
     save_file(weights, destination)
     destination.chmod(0o644)  # safetensors writes owner-only files; a draft shipped in a package must be readable
     meta = {
         "target": args.target,
         **spec.as_dict(),
         "intermediate_size": draft.config.intermediate_size,
+        "draft_vocab": args.draft_vocab or None,
         "dtype": args.export_dtype,
         "training": {key: saved["state"][key] for key in ("step", "epoch", "seconds", "tokens")},
         "val_kl": saved["val_loss"],
@@ -996,6 +1024,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--eval-limit", type=int, default=None, help="Evaluate on the first N eval prompts.")
     evaluation.add_argument("--checkpoint", default=None, help="Checkpoint to evaluate/export (default: newest).")
     evaluation.add_argument("--export-path", default=None, help="Draft file to write (default OUT/draft.safetensors).")
+    evaluation.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="Evaluate/export a draft whose LM head scores only the N tokens most often in the target's top-8 on "
+        "the training data (0: the full vocabulary). Smaller heads make the draft much faster.",
+    )
     evaluation.add_argument("--export-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
 
 

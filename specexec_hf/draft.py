@@ -1,6 +1,14 @@
-"""The draft side: a transformers ``CandidateGenerator`` that grows SpecExec trees with a small causal LM."""
+"""The draft side: a transformers ``CandidateGenerator`` that grows SpecExec trees with a small causal LM.
+
+One generator drafts for one sequence and keeps that sequence's draft KV cache. :func:`grow_trees` grows the
+trees of several generators at once (a serving batch): each round of the best-first searches becomes one
+batched draft forward, padded per request, instead of one forward per request.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -8,8 +16,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .compat import check_supported, model_logits
 from .config import SpecExecConfig
-from .kv import compact_cache
-from .search import SearchFn, SearchResult, grow_tree
+from .kv import additive_mask, compact_cache
+from .search import BestFirstSearch, SearchFn, SearchResult, grow_tree
 from .tree import TokenTree
 
 
@@ -19,6 +27,34 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+@dataclass
+class DraftFeed:
+    """One sequence's share of a draft forward.
+
+    Args:
+        cache: The sequence's draft KV cache; the fed tokens are appended to it.
+        tokens: ``[n]`` tokens to feed.
+        positions: ``[n]`` their positions.
+        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        num_logits: How many trailing tokens need logits.
+    """
+
+    cache: DynamicCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    num_logits: int
+
+    def visibility(self) -> torch.Tensor:
+        """``visible``, with the causal pattern spelled out when it is ``None``."""
+        if self.visible is not None:
+            return self.visible
+        count, cache_length = self.tokens.numel(), self.cache.get_seq_length()
+        visible = torch.ones(count, cache_length + count, dtype=torch.bool, device=self.tokens.device)
+        visible[:, cache_length:] = visible[:, cache_length:].tril()
+        return visible
 
 
 class SpecExecCandidateGenerator(CandidateGenerator):
@@ -54,30 +90,19 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         # fed). Accepted nodes that were fed are kept on the next call instead of being fed again.
         self._pool: TokenTree | None = None
         self._pool_slots = torch.empty(0, dtype=torch.long)
+        # The history of the tree being grown, and the device it grows on.
+        self._history: list[int] = []
+        self._device = draft_model.device
 
     def grow_tree(self, input_ids: torch.Tensor, max_depth: int | None = None) -> SearchResult:
         """Grows the tree whose root is the last token of ``input_ids`` (shape ``[1, L]``)."""
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
-        history = input_ids[0].tolist()
-        self._sync_cache(history)
-        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
-        device = self.draft_model.device
-        pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=device)
-        root_position = len(history) - 1
+        self._begin_tree(input_ids)
 
         def expand(pool: TokenTree, nodes: torch.Tensor) -> torch.Tensor:
-            if self._pool is None:  # the first forward feeds the unseen history, ending with the root
-                positions = torch.arange(len(self.cached_ids), len(history), device=device)
-                logits = model_logits(self.draft_model, pending, positions, self.cache, 1)
-                self.cached_ids = list(history)
-                self._pool = pool
-                self._pool_slots = torch.full((1,), root_position, dtype=torch.long, device=device)
-                return self._logprobs(logits)
-            logits = self._forward_nodes(pool, nodes, root_position)
-            return self._logprobs(logits)
+            feed = self._feed(pool, nodes)
+            return self._absorb(pool, nodes, forward_feeds(self.draft_model, [feed])[0])
 
-        return self.search(history[-1], expand, self.config, max_depth=max_depth, device=device)
+        return self.search(self._history[-1], expand, self.config, max_depth=max_depth, device=self._device)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
         """The tree's chain with the highest expected acceptance, appended to ``input_ids`` (for chain verifiers)."""
@@ -90,11 +115,25 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         scaled = logits if self.temperature == 1.0 else logits / self.temperature
         return torch.log_softmax(scaled, dim=-1)
 
-    def _forward_nodes(self, pool: TokenTree, nodes: torch.Tensor, root_position: int) -> torch.Tensor:
-        """Feeds pool ``nodes`` (whose ancestors are all in the cache already) in one batched draft call."""
+    def _begin_tree(self, input_ids: torch.Tensor) -> None:
+        """Takes the new token history and cuts the cache back to what still matches it."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
+        self._history = input_ids[0].tolist()
+        self._sync_cache(self._history)
+        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
+        self._device = self.draft_model.device
+
+    def _feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
+        """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
+        with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""
+        history = self._history
+        if self._pool is None:
+            pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=self._device)
+            positions = torch.arange(len(self.cached_ids), len(history), device=self._device)
+            return DraftFeed(self.cache, pending, positions, None, 1)
         cache_length = self.cache.get_seq_length()
-        slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
-        slots[: self._pool_slots.numel()] = self._pool_slots
+        slots = self._slots_for(pool)
         count = nodes.numel()
         rows = torch.arange(count, device=pool.device)
         visible = torch.zeros(count, cache_length + count, dtype=torch.bool, device=pool.device)
@@ -105,11 +144,26 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             has = ancestor > 0
             visible[rows[has], slots[ancestor[has]]] = True
             ancestor = torch.where(has, pool.parents[ancestor.clamp(min=0)], 0)
-        positions = pool.positions(root_position)[nodes]
-        logits = model_logits(self.draft_model, pool.tokens[nodes], positions, self.cache, count, visible)
-        slots[nodes] = cache_length + rows
+        positions = pool.positions(len(history) - 1)[nodes]
+        return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
+
+    def _absorb(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Records where the fed tokens now sit in the cache; returns the expansion's log-probs."""
+        if self._pool is None:
+            self.cached_ids = list(self._history)
+            slots = torch.full((1,), len(self._history) - 1, dtype=torch.long, device=self._device)
+        else:
+            slots = self._slots_for(pool)
+            fed_from = self.cache.get_seq_length() - nodes.numel()
+            slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
-        return logits
+        return self._logprobs(logits)
+
+    def _slots_for(self, pool: TokenTree) -> torch.Tensor:
+        """Each pool node's cache slot, ``-1`` for nodes never fed (the pool may have grown since)."""
+        slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
+        slots[: self._pool_slots.numel()] = self._pool_slots
+        return slots
 
     def _sync_cache(self, history: list[int]) -> None:
         """Cuts the cache back to the longest stretch that still matches ``history``, minus its last token."""
@@ -128,3 +182,144 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         compact_cache(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
+
+
+def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """Runs several sequences' feeds through ``model``, batching those of similar length.
+
+    Feeds are sorted by length and grouped so that padding is at most half of each batch: a long prompt prefill
+    runs alone instead of padding every tree expansion to its length.
+
+    Returns:
+        Per feed, in order, the float32 logits of its last ``num_logits`` tokens.
+    """
+    order = sorted(range(len(feeds)), key=lambda i: feeds[i].tokens.numel())
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        length = feeds[i].tokens.numel()
+        if groups and length * (len(groups[-1]) + 1) <= 2 * (real + length):
+            groups[-1].append(i)
+            real += length
+        else:
+            groups.append([i])
+            real = length
+    logits: list[torch.Tensor | None] = [None] * len(feeds)
+    for group in groups:
+        if len(group) == 1:
+            feed = feeds[group[0]]
+            logits[group[0]] = model_logits(
+                model, feed.tokens, feed.positions, feed.cache, feed.num_logits, feed.visible
+            )
+        else:
+            for i, group_logits in zip(group, _batched_logits(model, [feeds[i] for i in group])):
+                logits[i] = group_logits
+    return logits
+
+
+def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """One forward for several sequences with separate caches.
+
+    Row ``r`` of the batch holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the longest
+    cache) and its new tokens at ``[longest_cache, longest_cache + n_r)``; its mask is its own ``visible`` spread
+    over that layout. Padding queries see only themselves, so no softmax row is empty. Afterwards each feed's new
+    keys and values are appended to its own cache.
+    """
+    device = feeds[0].tokens.device
+    cache_lengths = [feed.cache.get_seq_length() for feed in feeds]
+    counts = [feed.tokens.numel() for feed in feeds]
+    longest_cache, longest_feed = max(cache_lengths), max(counts)
+    tokens = torch.zeros(len(feeds), longest_feed, dtype=torch.long, device=device)
+    positions = torch.zeros_like(tokens)
+    visible = torch.zeros(len(feeds), longest_feed, longest_cache + longest_feed, dtype=torch.bool, device=device)
+    diagonal = torch.arange(longest_feed, device=device)
+    visible[:, diagonal, longest_cache + diagonal] = True
+    for row, (feed, cached, count) in enumerate(zip(feeds, cache_lengths, counts)):
+        own = feed.visibility()
+        tokens[row, :count], positions[row, :count] = feed.tokens, feed.positions
+        visible[row, :count, :cached] = own[:, :cached]
+        visible[row, :count, longest_cache : longest_cache + count] = own[:, cached:]
+
+    batch_cache = DynamicCache(config=model.config)
+    if longest_cache:
+        template = next(feed.cache for feed, cached in zip(feeds, cache_lengths) if cached)
+        for index, layer in enumerate(template.layers):
+            keys = layer.keys.new_zeros(len(feeds), *layer.keys.shape[1:-2], longest_cache, layer.keys.shape[-1])
+            values = layer.values.new_zeros(
+                len(feeds), *layer.values.shape[1:-2], longest_cache, layer.values.shape[-1]
+            )
+            for row, (feed, cached) in enumerate(zip(feeds, cache_lengths)):
+                if cached:
+                    keys[row, ..., :cached, :] = feed.cache.layers[index].keys[0]
+                    values[row, ..., :cached, :] = feed.cache.layers[index].values[0]
+            batch_cache.update(keys, values, index)
+
+    # Logits only where some feed needs them: its last num_logits tokens.
+    needed = [torch.arange(count - feed.num_logits, count, device=device) for feed, count in zip(feeds, counts)]
+    keep = torch.unique(torch.cat(needed))
+    kwargs = dict(
+        input_ids=tokens,
+        position_ids=positions,
+        past_key_values=batch_cache,
+        use_cache=True,
+        attention_mask=additive_mask(visible, model.dtype),
+    )
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = keep
+    logits = model(**kwargs).logits
+    if not model._supports_logits_to_keep():
+        logits = logits[:, keep]
+
+    for index, layer in enumerate(batch_cache.layers):
+        for row, (feed, count) in enumerate(zip(feeds, counts)):
+            new = slice(longest_cache, longest_cache + count)
+            feed.cache.update(layer.keys[row : row + 1, :, new].clone(), layer.values[row : row + 1, :, new].clone(), index)
+    return [logits[row, torch.searchsorted(keep, rows)].float() for row, rows in enumerate(needed)]
+
+
+@dataclass
+class TreeBatch:
+    """Trees grown together by :func:`grow_trees`.
+
+    Args:
+        results: One search result per request, in order.
+        draft_calls: Draft forward calls made for all of them together.
+    """
+
+    results: list[SearchResult]
+    draft_calls: int
+
+
+def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor, int | None]]) -> TreeBatch:
+    """Grows one SpecExec tree per request, sharing each round's draft forward among all requests.
+
+    Every round asks each unfinished search for its next nodes and runs all of them in one batched draft call
+    (see :func:`forward_feeds`), so ``R`` requests cost about as many draft calls as the slowest one alone. The
+    trees are the ones each generator's own :meth:`~SpecExecCandidateGenerator.grow_tree` would grow.
+
+    Args:
+        requests: ``(generator, input_ids [1, L], max_depth)`` per request; one generator per sequence, all on
+            the same draft model and using SpecExec's best-first search.
+    """
+    if not requests:
+        return TreeBatch([], 0)
+    generators = [generator for generator, _, _ in requests]
+    model = generators[0].draft_model
+    if any(g.draft_model is not model for g in generators) or len({id(g) for g in generators}) < len(generators):
+        raise ValueError("grow_trees needs one generator per request, all sharing one draft model.")
+    if any(g.search is not grow_tree for g in generators):
+        raise ValueError("grow_trees batches SpecExec's best-first search only; grow baseline trees one by one.")
+    searches = []
+    for generator, input_ids, max_depth in requests:
+        generator._begin_tree(input_ids)
+        searches.append(BestFirstSearch(generator._history[-1], generator.config, max_depth, generator._device))
+    calls = 0
+    while True:
+        work = [(i, nodes) for i, search in enumerate(searches) if (nodes := search.next_nodes()) is not None]
+        if not work:
+            break
+        feeds = [generators[i]._feed(searches[i].pool, nodes) for i, nodes in work]
+        calls += 1
+        for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
+            searches[i].add_expansion(nodes, generators[i]._absorb(searches[i].pool, nodes, logits))
+    return TreeBatch([search.result() for search in searches], calls)

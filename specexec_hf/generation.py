@@ -18,7 +18,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorLi
 from transformers.generation.streamers import BaseStreamer
 
 from .autobudget import auto_budget_for
-from .compat import check_same_vocabulary, check_supported, model_logits
+from .compat import check_same_vocabulary, check_supported, node_logits
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
 from .search import SearchFn, grow_tree
@@ -52,8 +52,8 @@ class TreeLogitsProcessor:
     def __call__(
         self, prefix_ids: torch.Tensor, tree: TokenTree, logits: torch.Tensor, nodes: list[int]
     ) -> torch.Tensor:
-        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` given the tree's ``logits`` ``[N, vocab]``."""
-        scores = logits[nodes]
+        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` given their ``logits`` ``[len(nodes), vocab]``."""
+        scores = logits.clone()
         if not self.processors:
             return scores
         depths = tree.depths[nodes].tolist()
@@ -190,13 +190,13 @@ def generate(
         tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
         positions = torch.cat([torch.arange(cached, length), tree.positions(length - 1)[1:].cpu()]).to(pending)
         visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
-        logits = model_logits(model, tokens, positions, cache, tree.num_nodes, visible)
+        logits = node_logits(model, tokens, positions, cache, tree.num_nodes, visible)
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []
 
         def choose(node: int) -> int:
-            scores = processor(sequence, tree, logits, [node])
+            scores = processor(sequence, tree, logits.row(node), [node])
             step_scores.append(scores)
             if generation_config.do_sample:
                 return int(torch.multinomial(torch.softmax(scores, dim=-1), 1))
@@ -216,7 +216,7 @@ def generate(
             if keep_scores:
                 all_scores.append(scores)
             if keep_logits:
-                all_logits.append(logits[node : node + 1])
+                all_logits.append(logits.row(node))
             if bool(stopping_criteria(sequence, scores).any()):
                 finished = True
                 break

@@ -15,10 +15,11 @@ from transformers.cache_utils import DynamicLayer
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[queries, keys]`` bool to the ``[1, 1, queries, keys]`` additive float mask HF attention expects."""
+    """``[queries, keys]`` (or ``[batch, queries, keys]``) bool to the ``[batch, 1, queries, keys]`` additive float
+    mask HF attention expects (batch 1 for a 2-D pattern)."""
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask.view(-1, 1, *visible.shape[-2:])
 
 
 def chain_and_tree_mask(cache_length: int, num_chain: int, ancestors: torch.Tensor) -> torch.Tensor:

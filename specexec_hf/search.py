@@ -48,6 +48,78 @@ def rank_nodes(logprobs: torch.Tensor) -> torch.Tensor:
     return torch.argsort(-logprobs, stable=True)
 
 
+class BestFirstSearch:
+    """SpecExec's tree growth, one draft forward at a time.
+
+    ``next_nodes()`` names the pool nodes the draft should expand next (``None`` once the search is done) and
+    ``add_expansion()`` takes their next-token log-probs. :func:`grow_tree` drives one search through a callback;
+    a caller holding several searches can serve all their requests with one batched draft forward per round.
+
+    Args:
+        root_token: The last committed token.
+        config: ``budget``, ``max_depth``, ``max_branch``, ``expand_per_forward`` and ``max_draft_forwards``.
+        max_depth: Tighter depth limit for this tree (e.g. the tokens still allowed, minus the bonus token).
+        device: Where the tree's tensors live.
+    """
+
+    def __init__(
+        self,
+        root_token: int,
+        config: SpecExecConfig,
+        max_depth: int | None = None,
+        device: torch.device | str | None = None,
+    ):
+        self.config = config
+        self.depth_limit = config.depth_limit(max_depth)
+        self.forward_limit = None if config.max_draft_forwards is None else 1 + config.max_draft_forwards
+        self.pool = TokenTree.from_root(root_token, device=device)
+        self.expanded = torch.zeros(1, dtype=torch.bool, device=self.pool.device)
+        self.kept = torch.zeros(1, dtype=torch.long, device=self.pool.device)  # best first
+        self.forwards = 0
+
+    def _tree_is_full(self) -> bool:
+        return self.kept.numel() == self.config.budget + 1
+
+    def next_nodes(self) -> torch.Tensor | None:
+        """The best kept nodes that could still place a child inside the budget, or ``None`` when none can."""
+        if self.forward_limit is not None and self.forwards >= self.forward_limit:
+            return None
+        pool, kept = self.pool, self.kept
+        frontier = kept[~self.expanded[kept] & (pool.depths[kept] < self.depth_limit)]
+        if self._tree_is_full():
+            # A child ranks after its parent and after every node of equal log-prob, so only a parent strictly
+            # better than the worst kept node can still place a child inside a full tree.
+            frontier = frontier[pool.logprobs[frontier] > pool.logprobs[kept[-1]]]
+        if frontier.numel() == 0:
+            return None
+        return frontier[: self.config.expand_per_forward]
+
+    def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Adds the best ``max_branch`` children of each of ``nodes`` and re-ranks the kept set.
+
+        Args:
+            nodes: What :meth:`next_nodes` returned.
+            logprobs: ``[len(nodes), vocab]`` the draft's next-token log-probs at ``nodes``.
+        """
+        pool = self.pool
+        self.forwards += 1
+        self.expanded[nodes] = True
+        child_logprobs, child_tokens = logprobs.float().topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
+        cumulative = pool.logprobs[nodes, None] + child_logprobs.to(pool.device)
+        useful = torch.isfinite(cumulative)
+        if self._tree_is_full():
+            useful &= cumulative > pool.logprobs[self.kept[-1]]
+        parents = nodes[:, None].expand_as(cumulative)
+        pool.add_children(parents[useful], child_tokens.to(pool.device)[useful], cumulative[useful])
+        self.expanded = torch.cat([self.expanded, self.expanded.new_zeros(pool.num_nodes - self.expanded.numel())])
+        self.kept = rank_nodes(pool.logprobs)[: self.config.budget + 1]
+
+    def result(self) -> SearchResult:
+        """The kept tree (re-indexed, root first) and the pool it came from."""
+        pool_index = self.kept.sort().values
+        return SearchResult(self.pool.select(pool_index), self.pool, pool_index, self.forwards)
+
+
 def grow_tree(
     root_token: int,
     expand: ExpandFn,
@@ -55,7 +127,7 @@ def grow_tree(
     max_depth: int | None = None,
     device: torch.device | str | None = None,
 ) -> SearchResult:
-    """Grows the SpecExec tree under ``root_token``.
+    """Grows the SpecExec tree under ``root_token``, calling ``expand`` once per draft forward.
 
     Args:
         root_token: The last committed token.
@@ -64,36 +136,7 @@ def grow_tree(
         max_depth: Tighter depth limit for this tree (e.g. the tokens still allowed, minus the bonus token).
         device: Where the tree's tensors live.
     """
-    depth_limit = config.depth_limit(max_depth)
-    forward_limit = None if config.max_draft_forwards is None else 1 + config.max_draft_forwards
-    pool = TokenTree.from_root(root_token, device=device)
-    expanded = torch.zeros(1, dtype=torch.bool, device=pool.device)
-    kept = torch.zeros(1, dtype=torch.long, device=pool.device)  # best first
-    forwards = 0
-    while forward_limit is None or forwards < forward_limit:
-        frontier = kept[~expanded[kept] & (pool.depths[kept] < depth_limit)]
-        tree_is_full = kept.numel() == config.budget + 1
-        # A child ranks after its parent and after every node of equal log-prob, so only a parent strictly
-        # better than the worst kept node can still place a child inside a full tree.
-        worst_kept = pool.logprobs[kept[-1]]
-        if tree_is_full:
-            frontier = frontier[pool.logprobs[frontier] > worst_kept]
-        if frontier.numel() == 0:
-            break
-        nodes = frontier[: config.expand_per_forward]
-        logprobs = expand(pool, nodes)
-        forwards += 1
-        expanded[nodes] = True
-
-        child_logprobs, child_tokens = logprobs.float().topk(min(config.max_branch, logprobs.shape[-1]), dim=-1)
-        cumulative = pool.logprobs[nodes, None] + child_logprobs.to(pool.device)
-        useful = torch.isfinite(cumulative)
-        if tree_is_full:
-            useful &= cumulative > worst_kept
-        parents = nodes[:, None].expand_as(cumulative)
-        pool.add_children(parents[useful], child_tokens.to(pool.device)[useful], cumulative[useful])
-        expanded = torch.cat([expanded, expanded.new_zeros(pool.num_nodes - expanded.numel())])
-        kept = rank_nodes(pool.logprobs)[: config.budget + 1]
-
-    pool_index = kept.sort().values
-    return SearchResult(pool.select(pool_index), pool, pool_index, forwards)
+    search = BestFirstSearch(root_token, config, max_depth, device)
+    while (nodes := search.next_nodes()) is not None:
+        search.add_expansion(nodes, expand(search.pool, nodes))
+    return search.result()

@@ -76,3 +76,21 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
     generator._sync_cache(torch.cat([history[0], tree.tokens[path], torch.tensor([9])]).tolist())
     assert generator.cached_ids == history[0].tolist() + tree.tokens[path].tolist()
     assert generator.cache.get_seq_length() == len(generator.cached_ids) < fed_before
+
+
+@given(arch=st.sampled_from(sorted(ARCHITECTURES)), seed=st.integers(0, 2**16), hooked_head=st.booleans())
+def test_node_logits_on_demand_equal_the_full_forward(arch, seed, hooked_head):
+    from specexec_hf.compat import model_logits, node_logits
+
+    model = tiny_model(arch, seed=seed)
+    if hooked_head:  # e.g. an offloading hook: the head must then run inside the model's own forward
+        model.lm_head.register_forward_pre_hook(lambda module, args: None)
+    tokens = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
+    visible = torch.ones(9, 9, dtype=torch.bool).tril()
+    visible[6:, 3:6] = False  # three nodes under token 2 that do not see each other's siblings
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5])
+    expected = model_logits(model, tokens, positions, DynamicCache(config=model.config), 7, visible)
+    lazy = node_logits(model, tokens, positions, DynamicCache(config=model.config), 7, visible)
+    assert (lazy.hidden is None) == hooked_head
+    for node in (6, 0, 3, 6):
+        torch.testing.assert_close(lazy.row(node), expected[node : node + 1])

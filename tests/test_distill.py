@@ -113,9 +113,22 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     target, _ = distill.load_target(str(root / "target"))
     weights = load_file(root / "run" / "draft.safetensors")
     assert all(tensor.dtype == torch.float16 for tensor in weights.values())
+    assert "lm_head.token_ids" not in weights
     draft = build_draft(target, draft_config_from_target(target.config, meta["num_hidden_layers"]), weights)
     assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
     assert draft(input_ids=torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, target.config.vocab_size)
+
+    # --draft-vocab: the exported head scores only the tokens the target ranks high most often.
+    small = root / "run" / "small.safetensors"
+    assert distill.run(common_args(root, "--stage", "export", "--draft-vocab", "10", "--export-path", str(small))) == 0
+    meta = json.loads(small.with_suffix(".json").read_text())
+    assert meta["draft_vocab"] == meta["agreement"]["draft_vocab"] == 10
+    weights = load_file(small)
+    counts = distill.target_token_counts(root / "run" / "data", target.config.vocab_size)
+    assert weights["lm_head.token_ids"].tolist() == sorted(counts.argsort(descending=True, stable=True)[:10].tolist())
+    draft = build_draft(target, draft_config_from_target(target.config, meta["num_hidden_layers"]), weights)
+    logits = draft(input_ids=torch.tensor([[1, 5, 6]])).logits
+    assert torch.isfinite(logits).sum(-1).tolist() == [[10, 10, 10]]
 
 
 def test_top_k_kl_is_zero_for_matching_distributions() -> None:

@@ -1,0 +1,79 @@
+"""grow_trees: several requests' trees grown with shared, batched draft forwards equal the trees grown one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+from test_cache import assert_cache_prefix_equal, recomputed_cache
+
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
+from specexec_hf.baselines import SpecInferSearch
+
+
+def assert_same_tree(batched, alone) -> None:
+    assert torch.equal(batched.tree.tokens, alone.tree.tokens)
+    assert torch.equal(batched.tree.parents, alone.tree.parents)
+    torch.testing.assert_close(batched.tree.logprobs, alone.tree.logprobs)
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    budget=st.integers(1, 20),
+    expand_per_forward=st.integers(1, 6),
+    steps=st.integers(1, 3),
+    data=st.data(),
+)
+def test_batched_trees_and_caches_equal_trees_grown_alone(
+    arch, seed, lengths, budget, expand_per_forward, steps, data
+):
+    draft = tiny_model(arch, seed=seed)
+    config = SpecExecConfig(budget=budget, expand_per_forward=expand_per_forward, max_depth=6)
+    batched = [SpecExecCandidateGenerator(draft, config) for _ in lengths]
+    alone = [SpecExecCandidateGenerator(draft, config) for _ in lengths]
+    rng = torch.Generator().manual_seed(seed)
+    histories = [torch.randint(0, 64, (1, n), generator=rng) for n in lengths]
+    for _ in range(steps):
+        depths = [data.draw(st.one_of(st.none(), st.integers(1, 6))) for _ in lengths]
+        batch = grow_trees(list(zip(batched, histories, depths)))
+        results = [g.grow_tree(h, max_depth=d) for g, h, d in zip(alone, histories, depths)]
+        forwards = [result.draft_forwards for result in results]
+        assert max(forwards) <= batch.draft_calls <= sum(forwards)
+        for generator, history, ours, theirs in zip(batched, histories, batch.results, results):
+            assert_same_tree(ours, theirs)
+            assert ours.draft_forwards == theirs.draft_forwards
+            assert generator.cached_ids == history[0].tolist()
+            assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history))
+        # Each request accepts a random path plus a bonus token, as a verifier would; the caches carry over.
+        for i, result in enumerate(batch.results):
+            node = data.draw(st.integers(0, result.tree.num_nodes - 1))
+            bonus = torch.tensor([[data.draw(st.integers(0, 63))]])
+            histories[i] = torch.cat([histories[i], result.tree.path_tokens(node)[None], bonus], dim=-1)
+
+
+def test_requests_of_equal_length_share_every_draft_call():
+    draft = tiny_model("llama", seed=5)
+    config = SpecExecConfig(budget=24, expand_per_forward=4)
+    histories = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(5))
+    generators = [SpecExecCandidateGenerator(draft, config) for _ in range(3)]
+    batch = grow_trees([(g, h[None], None) for g, h in zip(generators, histories)])
+    assert batch.draft_calls == max(result.draft_forwards for result in batch.results) > 1
+
+
+def test_grow_trees_rejects_shared_generators_and_baseline_policies():
+    draft = tiny_model("llama", seed=0)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8))
+    history = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="one generator per request"):
+        grow_trees([(generator, history, None), (generator, history, None)])
+    other_draft = SpecExecCandidateGenerator(tiny_model("llama", seed=1), SpecExecConfig(budget=8))
+    with pytest.raises(ValueError, match="one generator per request"):
+        grow_trees([(generator, history, None), (other_draft, history, None)])
+    baseline = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8), search=SpecInferSearch(beams=2))
+    with pytest.raises(ValueError, match="best-first"):
+        grow_trees([(baseline, history, None)])
+    assert grow_trees([]).results == []

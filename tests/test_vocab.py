@@ -1,0 +1,64 @@
+"""A draft head over a vocabulary subset: exact scores inside it, -inf outside, and SpecExec output unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specexec_hf  # noqa: F401  (installs speculator="specexec")
+from specexec_hf.vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
+
+
+@given(seed=st.integers(0, 2**16), subset=st.sets(st.integers(0, 63), min_size=1, max_size=64))
+def test_subset_head_scores_exactly_the_subset(seed, subset):
+    model = tiny_model("llama", seed=seed)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed))
+    full = model(ids).logits
+    token_ids = torch.tensor(sorted(subset))
+    restricted = restrict_draft_vocabulary(copy.deepcopy(model), token_ids)(ids).logits
+    inside = torch.zeros(64, dtype=torch.bool)
+    inside[token_ids] = True
+    torch.testing.assert_close(restricted[..., inside], full[..., inside])
+    assert torch.isneginf(restricted[..., ~inside]).all()
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    subset_size=st.integers(1, 64),
+    budget=st.integers(1, 24),
+    max_new_tokens=st.integers(1, 20),
+)
+def test_greedy_with_restricted_draft_equals_plain_generate(arch, seed, subset_size, budget, max_new_tokens):
+    target = tiny_model(arch, seed=seed)
+    draft = perturbed_copy(target, 0.05, seed=seed + 1)
+    token_ids = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:subset_size]
+    restrict_draft_vocabulary(draft, token_ids)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(seed))
+    expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    got = target.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
+        budget=budget,
+    )
+    assert got.tolist() == expected.tolist()
+
+
+def test_frequent_tokens_keeps_the_most_counted_ids_in_ascending_order():
+    counts = torch.tensor([5, 0, 9, 5, 1, 9])
+    assert frequent_tokens(counts, 3).tolist() == [0, 2, 5]  # 9, 9, then the lower id of the two 5s
+    with pytest.raises(ValueError, match="outside 1..6"):
+        frequent_tokens(counts, 0)
+
+
+def test_restricting_twice_or_bad_ids_is_refused():
+    model = restrict_draft_vocabulary(tiny_model("llama"), torch.tensor([1, 2, 3]))
+    assert isinstance(model.get_output_embeddings(), SubsetLMHead)
+    with pytest.raises(ValueError, match="already restricted"):
+        restrict_draft_vocabulary(model, torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"token ids in \[0, 64\)"):
+        restrict_draft_vocabulary(tiny_model("llama"), torch.tensor([3, 64]))
