@@ -76,6 +76,10 @@ class Run:
 class ForwardMeter:
     """Counts a model's forward calls and their wall time, through forward hooks.
 
+    The hooks sit on the model and on its decoder stack (``base_model``): SpecExec runs the decoder stack alone
+    and applies the LM head to the few nodes it visits, other callers run the whole model. A call nested inside
+    another (the stack inside a whole-model forward) is part of that forward, not a second one.
+
     Args:
         model: The model to watch.
     """
@@ -83,26 +87,31 @@ class ForwardMeter:
     model: torch.nn.Module
     calls: int = 0
     seconds: float = 0.0
+    _depth: int = 0
     _started: float = 0.0
     _handles: list = field(default_factory=list)
 
     def __enter__(self) -> ForwardMeter:
-        self._handles = [
-            self.model.register_forward_pre_hook(self._before),
-            self.model.register_forward_hook(self._after),
-        ]
+        modules = {id(module): module for module in (self.model, getattr(self.model, "base_model", self.model))}
+        for module in modules.values():
+            self._handles += [module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after)]
         return self
 
     def __exit__(self, *exc_info) -> None:
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
     def _before(self, module, args) -> None:
-        self._started = time.perf_counter()
+        if self._depth == 0:
+            self._started = time.perf_counter()
+        self._depth += 1
 
     def _after(self, module, args, output) -> None:
-        self.calls += 1
-        self.seconds += time.perf_counter() - self._started
+        self._depth -= 1
+        if self._depth == 0:
+            self.calls += 1
+            self.seconds += time.perf_counter() - self._started
 
 
 @contextmanager
