@@ -55,6 +55,9 @@ class RunResult:
         acceptance_rate: ``accepted_tokens / draft_tokens``.
         tokens_per_target_step: ``1 + accepted_tokens / drafts``.
         proposer: SpecExec proposer totals for this call, else ``None``.
+        token_ids: Output token ids per prompt.
+        outputs_equal_to_none: Whether they equal the no-speculation engine's at this temperature (greedy runs
+            must; ``None`` when there is no such run to compare with).
     """
 
     method: str
@@ -68,6 +71,8 @@ class RunResult:
     acceptance_rate: float | None
     tokens_per_target_step: float | None
     proposer: dict[str, float] | None
+    token_ids: list[list[int]]
+    outputs_equal_to_none: bool | None = None
 
 
 def speculative_config(
@@ -152,6 +157,7 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str) -
                 acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_step=1 + accepted / drafts if drafts else None,
                 proposer=proposer,
+                token_ids=[list(o.outputs[0].token_ids) for o in outputs],
             )
         )
     llm.llm_engine.engine_core.shutdown()  # free the engine's cores and memory before the next method starts
@@ -193,6 +199,10 @@ def main() -> None:
         else:
             target, draft = args.target, args.draft or args.target
         results = [result for method in args.methods for result in run_method(method, args, target, draft)]
+    baseline = {r.temperature: r.token_ids for r in results if r.method == "none"}
+    for result in results:
+        if result.temperature in baseline:
+            result.outputs_equal_to_none = result.token_ids == baseline[result.temperature]
     report = {
         "target": args.target or "synthetic tiny Llama (benchmarks/synthetic_models.py)",
         "draft": args.draft or (f"synthetic target + {args.noise} relative noise" if args.target is None else target),
@@ -209,7 +219,7 @@ def main() -> None:
         print(
             f"{result.method:12s} T={result.temperature:<4} start {result.engine_start_s:6.1f}s  generate "
             f"{result.generate_s:6.2f}s  acceptance {result.acceptance_rate}  tokens/step "
-            f"{result.tokens_per_target_step}"
+            f"{result.tokens_per_target_step}  same output as none: {result.outputs_equal_to_none}"
         )
     print(f"wrote {args.output}")
 
