@@ -84,7 +84,8 @@ def main() -> None:
                 flush=True,
             )
     report = {
-        "command": "benchmarks/batched_drafting.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": "benchmarks/batched_drafting.py "
+        + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()),
         "config": {"budget": args.budget, "max_depth": args.max_depth, "steps": args.steps, "accept": args.accept},
         "machine": {"platform": platform.platform(), "cpu_count": torch.get_num_threads(), "threads": args.threads},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

@@ -2,9 +2,10 @@
 
 Each engine step vLLM hands the proposer every running request's token history; for each request the
 proposer grows a SpecExec tree with the draft model (one :class:`SpecExecCandidateGenerator` per request, so
-the draft's KV cache carries over from step to step; all requests share each batched draft forward) and proposes the tree's best root-to-leaf chain, up to
-``num_speculative_tokens`` tokens. vLLM (0.32-0.33) verifies chains only, so the tree decides *which* chain
-the target checks; the target's rejection sampler keeps the output exactly the target's.
+the draft's KV cache carries over from step to step; all requests share each batched draft forward) and
+proposes the tree's best root-to-leaf chain, up to ``num_speculative_tokens`` tokens. vLLM (0.32-0.33) verifies
+chains only, so the tree decides *which* chain the target checks; the target's rejection sampler keeps the
+output exactly the target's.
 
 Offline::
 
@@ -280,20 +281,21 @@ class SpecExecProposer:
             length = int(num_tokens_no_spec[row])
             depth = min(self.num_speculative_tokens, self.max_model_len - length)
             if sampled and depth >= 1:
-                history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None].to(self.device)
+                # The generator only reads the history as a list of ids: no device copy.
+                history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None]
                 requests.append((self._generator(req_ids[row], float(temperatures[row])), history, depth))
                 rows.append(row)
         if not requests:
             return drafts
         started = time.perf_counter()
         with torch.inference_mode():
-            batch = grow_trees(requests)
-        for row, result in zip(rows, batch.results):
+            trees = grow_trees(requests)
+        for row, result in zip(rows, trees.results):
             drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
             self.stats.proposed_tokens += len(drafts[row])
             self.stats.tree_nodes += result.tree.num_nodes - 1
         self.stats.proposals += len(rows)
-        self.stats.draft_forwards += batch.draft_calls
+        self.stats.draft_forwards += trees.draft_calls
         self.stats.draft_seconds += time.perf_counter() - started
         return drafts
 

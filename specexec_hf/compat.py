@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -93,6 +94,47 @@ def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, targe
         )
 
 
+def forward_inputs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    visible: torch.Tensor | None,
+) -> dict[str, Any]:
+    """Keyword arguments of a cached forward over ``[batch, n]`` tokens with an optional bool attention pattern
+    ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack."""
+    kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    if visible is not None:
+        kwargs["attention_mask"] = additive_mask(visible, model.dtype)
+    return kwargs
+
+
+def batch_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    keep: int | torch.Tensor,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
+
+    Args:
+        model: A causal LM.
+        input_ids: ``[batch, n]`` tokens to feed.
+        position_ids: ``[batch, n]`` their positions.
+        cache: The model's KV cache (batch rows as in ``input_ids``); the new tokens are appended to it.
+        keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
+        visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+    """
+    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible)
+    if model._supports_logits_to_keep():
+        kwargs["logits_to_keep"] = keep
+        return model(**kwargs).logits.float()
+    logits = model(**kwargs).logits
+    return (logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]).float()
+
+
 def model_logits(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -111,14 +153,8 @@ def model_logits(
         num_logits: How many trailing tokens need logits.
         visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
     """
-    kwargs = dict(
-        input_ids=input_ids[None], position_ids=position_ids[None], past_key_values=cache, use_cache=True
-    )
-    if visible is not None:
-        kwargs["attention_mask"] = additive_mask(visible, model.dtype)
-    if model._supports_logits_to_keep():
-        kwargs["logits_to_keep"] = num_logits
-    return model(**kwargs).logits[0, -num_logits:].float()
+    pattern = None if visible is None else visible[None]
+    return batch_logits(model, input_ids[None], position_ids[None], cache, num_logits, pattern)[0]
 
 
 class NodeLogits:
@@ -145,11 +181,13 @@ class NodeLogits:
         self._logits = logits
 
     def row(self, node: int) -> torch.Tensor:
-        """``[1, vocab]`` logits of ``node``."""
-        if self._logits is not None:
-            return self._logits[node : node + 1]
+        """``[1, vocab]`` logits of ``node``, computed once; a copy, so callers that keep it (``output_logits``)
+        do not keep the whole tree's logits alive."""
         if node not in self._rows:
-            self._rows[node] = self.head(self.hidden[node : node + 1]).float()
+            if self._logits is not None:
+                self._rows[node] = self._logits[node : node + 1].clone()
+            else:
+                self._rows[node] = self.head(self.hidden[node : node + 1]).float()
         return self._rows[node]
 
 
@@ -186,13 +224,8 @@ def node_logits(
     """
     if not _head_applies_lazily(model):
         return NodeLogits(logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible))
-    hidden = model.base_model(
-        input_ids=input_ids[None],
-        position_ids=position_ids[None],
-        past_key_values=cache,
-        use_cache=True,
-        attention_mask=additive_mask(visible, model.dtype),
-    ).last_hidden_state
+    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None])
+    hidden = model.base_model(**kwargs).last_hidden_state
     return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
 
 

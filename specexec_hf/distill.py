@@ -912,11 +912,25 @@ def forward_cost(target: PreTrainedModel, draft: PreTrainedModel, context: torch
     return report
 
 
-def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokenizer: Any) -> dict[str, Any]:
-    """Stage ``evaluate``: agreement report of a checkpoint on held-out prompts, saved as ``OUT/agreement.json``."""
+def load_evaluated_draft(
+    args: argparse.Namespace, target: PreTrainedModel
+) -> tuple[Path, PreTrainedModel, DraftSpec, dict[str, Any]]:
+    """The checkpoint the evaluate and export stages work on, restricted per ``--draft-vocab``."""
     path = resolve_checkpoint(args)
     draft, spec, saved = load_checkpoint_draft(path, target)
     restrict_to_frequent_tokens(args, draft)
+    return path, draft, spec, saved
+
+
+def agreement_report(
+    args: argparse.Namespace,
+    path: Path,
+    saved: dict[str, Any],
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """Agreement report of ``draft`` (checkpoint ``path``) on held-out prompts, saved as ``OUT/agreement.json``."""
     references = eval_references(args, target, tokenizer)
     longest = max(references, key=lambda row: len(row["input_ids"]))
     report = {
@@ -932,20 +946,25 @@ def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, token
     return report
 
 
+def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokenizer: Any) -> dict[str, Any]:
+    """Stage ``evaluate``: agreement report of a checkpoint on held-out prompts, saved as ``OUT/agreement.json``."""
+    path, draft, _, saved = load_evaluated_draft(args, target)
+    return agreement_report(args, path, saved, draft, target, tokenizer)
+
+
 def export_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokenizer: Any) -> Path:
     """Stage ``export``: write the draft's weights as safetensors plus a JSON with its config and report.
 
     The JSON (same name, ``.json``) is what :func:`specexec_hf.models.load_default_pair` reads to rebuild the
-    draft's config; it also records the training progress and the held-out agreement report.
+    draft's config; it also records the training progress and the held-out agreement report (reused from
+    ``OUT/agreement.json`` when it describes the same checkpoint and vocabulary).
     """
-    path = resolve_checkpoint(args)
-    draft, spec, saved = load_checkpoint_draft(path, target)
-    restrict_to_frequent_tokens(args, draft)
+    path, draft, spec, saved = load_evaluated_draft(args, target)
     report_path = Path(args.out) / "agreement.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
     evaluated = (str(path), saved["state"]["step"], args.draft_vocab or None)
     if report is None or (report["checkpoint"], report["step"], report.get("draft_vocab")) != evaluated:
-        report = evaluate_checkpoint(args, target, tokenizer)
+        report = agreement_report(args, path, saved, draft, target, tokenizer)
     destination = Path(args.export_path) if args.export_path else Path(args.out) / "draft.safetensors"
     destination.parent.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.export_dtype)

@@ -14,9 +14,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .compat import check_supported, model_logits
+from .compat import batch_logits, check_supported, model_logits
 from .config import SpecExecConfig
-from .kv import additive_mask, compact_cache
+from .kv import compact_cache
 from .search import BestFirstSearch, SearchFn, SearchResult, grow_tree
 from .tree import TokenTree
 
@@ -90,9 +90,13 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         # fed). Accepted nodes that were fed are kept on the next call instead of being fed again.
         self._pool: TokenTree | None = None
         self._pool_slots = torch.empty(0, dtype=torch.long)
-        # The history of the tree being grown, and the device it grows on.
+        # The history of the tree being grown.
         self._history: list[int] = []
-        self._device = draft_model.device
+
+    @property
+    def _device(self) -> torch.device:
+        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
+        return self.draft_model.device
 
     def grow_tree(self, input_ids: torch.Tensor, max_depth: int | None = None) -> SearchResult:
         """Grows the tree whose root is the last token of ``input_ids`` (shape ``[1, L]``)."""
@@ -121,8 +125,6 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
         self._sync_cache(self._history)
-        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
-        self._device = self.draft_model.device
 
     def _feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
         """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
@@ -133,7 +135,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             positions = torch.arange(len(self.cached_ids), len(history), device=self._device)
             return DraftFeed(self.cache, pending, positions, None, 1)
         cache_length = self.cache.get_seq_length()
-        slots = self._slots_for(pool)
+        # Every ancestor of a node being expanded was itself expanded, hence fed: its slot is already recorded.
+        slots = self._pool_slots
         count = nodes.numel()
         rows = torch.arange(count, device=pool.device)
         visible = torch.zeros(count, cache_length + count, dtype=torch.bool, device=pool.device)
@@ -153,17 +156,13 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             self.cached_ids = list(self._history)
             slots = torch.full((1,), len(self._history) - 1, dtype=torch.long, device=self._device)
         else:
-            slots = self._slots_for(pool)
+            # The pool has grown since the last feed: its new nodes have no slot (-1) until they are fed.
+            slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
+            slots[: self._pool_slots.numel()] = self._pool_slots
             fed_from = self.cache.get_seq_length() - nodes.numel()
             slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
         return self._logprobs(logits)
-
-    def _slots_for(self, pool: TokenTree) -> torch.Tensor:
-        """Each pool node's cache slot, ``-1`` for nodes never fed (the pool may have grown since)."""
-        slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
-        slots[: self._pool_slots.numel()] = self._pool_slots
-        return slots
 
     def _sync_cache(self, history: list[int]) -> None:
         """Cuts the cache back to the longest stretch that still matches ``history``, minus its last token."""
@@ -257,24 +256,14 @@ def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[
     # Logits only where some feed needs them: its last num_logits tokens.
     needed = [torch.arange(count - feed.num_logits, count, device=device) for feed, count in zip(feeds, counts)]
     keep = torch.unique(torch.cat(needed))
-    kwargs = dict(
-        input_ids=tokens,
-        position_ids=positions,
-        past_key_values=batch_cache,
-        use_cache=True,
-        attention_mask=additive_mask(visible, model.dtype),
-    )
-    if model._supports_logits_to_keep():
-        kwargs["logits_to_keep"] = keep
-    logits = model(**kwargs).logits
-    if not model._supports_logits_to_keep():
-        logits = logits[:, keep]
+    logits = batch_logits(model, tokens, positions, batch_cache, keep, visible)
 
     for index, layer in enumerate(batch_cache.layers):
         for row, (feed, count) in enumerate(zip(feeds, counts)):
             new = slice(longest_cache, longest_cache + count)
-            feed.cache.update(layer.keys[row : row + 1, :, new].clone(), layer.values[row : row + 1, :, new].clone(), index)
-    return [logits[row, torch.searchsorted(keep, rows)].float() for row, rows in enumerate(needed)]
+            keys, values = layer.keys[row : row + 1, :, new].clone(), layer.values[row : row + 1, :, new].clone()
+            feed.cache.update(keys, values, index)
+    return [logits[row, torch.searchsorted(keep, rows)] for row, rows in enumerate(needed)]
 
 
 @dataclass

@@ -52,10 +52,10 @@ class TreeLogitsProcessor:
     def __call__(
         self, prefix_ids: torch.Tensor, tree: TokenTree, logits: torch.Tensor, nodes: list[int]
     ) -> torch.Tensor:
-        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` given their ``logits`` ``[len(nodes), vocab]``."""
-        scores = logits.clone()
+        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` from their ``[len(nodes), vocab]`` logits."""
         if not self.processors:
-            return scores
+            return logits
+        scores = logits.clone()  # the rows are the walk's cached logits; processing must not change them
         depths = tree.depths[nodes].tolist()
         for depth in sorted(set(depths)):
             rows = [i for i, d in enumerate(depths) if d == depth]

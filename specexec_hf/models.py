@@ -6,7 +6,8 @@ tokenizer under the user's cache directory; later loads read that copy.
 
 The draft ships in ``specexec_hf/data/`` and holds only its own decoder layers and final norm: its embedding
 and (tied) LM head are the target's, shared rather than copied. Its head scores only the tokens listed in the
-file (the ones the target ranks high most often), which makes it several times cheaper than a full head. Produce it with ``specexec-hf distill``.
+file (the ones the target ranks high most often), which makes it several times cheaper than a full head.
+Produce it with ``specexec-hf distill``.
 """
 
 from __future__ import annotations

@@ -24,11 +24,13 @@ class SubsetLMHead(nn.Module):
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor):
         super().__init__()
-        token_ids = torch.unique(token_ids.long().to(weight.device))
-        if token_ids.numel() == 0 or int(token_ids[0]) < 0 or int(token_ids[-1]) >= weight.shape[0]:
+        token_ids = torch.unique(token_ids.long().to(weight.device))  # sorted
+        if token_ids.numel() == 0:
+            raise ValueError("A subset head needs at least one token id, got none.")
+        if int(token_ids[0]) < 0 or int(token_ids[-1]) >= weight.shape[0]:
             raise ValueError(
-                f"A subset head needs token ids in [0, {weight.shape[0]}), got {token_ids.numel()} ids ranging "
-                f"{token_ids.min().item() if token_ids.numel() else None}..{token_ids.max().item() if token_ids.numel() else None}."
+                f"A subset head needs token ids in [0, {weight.shape[0]}), got ids ranging "
+                f"{int(token_ids[0])}..{int(token_ids[-1])}."
             )
         self.out_features = weight.shape[0]  # as nn.Linear names its output width
         self.register_buffer("token_ids", token_ids)
