@@ -335,6 +335,7 @@ def generate_data(args: argparse.Namespace, target: PreTrainedModel, tokenizer: 
     data_dir = Path(args.out) / "data"
     prompts = encode_chats(tokenizer, read_prompts(args.prompts))
     jobs = plan_jobs(len(prompts), args.samples_per_prompt, args.seed)
+    jobs = [job for job in jobs if job.prompt_index >= args.first_prompt]
     done = {
         (job["prompt_index"], job["sample_index"]) for path in shard_paths(data_dir) for job in torch.load(path)["jobs"]
     }
@@ -345,7 +346,9 @@ def generate_data(args: argparse.Namespace, target: PreTrainedModel, tokenizer: 
     deadline = time.monotonic() + args.gen_minutes * 60 if args.gen_minutes else math.inf
     next_shard = len(shard_paths(data_dir))
     written = 0
-    progress = tqdm(total=len(jobs), initial=len(done), desc="generate (answers)", unit="ans", dynamic_ncols=True)
+    progress = tqdm(
+        total=len(jobs), initial=len(jobs) - len(pending), desc="generate (answers)", unit="ans", dynamic_ncols=True
+    )
     for start in range(0, len(pending), args.gen_batch_size):
         if time.monotonic() > deadline:
             progress.write(f"generation time budget of {args.gen_minutes} min reached")
@@ -557,30 +560,73 @@ def collate(batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def top_k_kl(
-    draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_log_probs: torch.Tensor, weights: torch.Tensor
+    draft_logits: torch.Tensor, topk_columns: torch.Tensor, topk_log_probs: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """Weighted mean KL(target || draft) over the partition {each stored top-k token, all other tokens}.
+    """Weighted mean KL(target || draft) over the partition {each scored stored top-k token, all other tokens}.
 
     The target's mass outside its stored top-k is one "tail" bucket, compared with the draft's mass outside the
     same tokens. This is the exact KL between the two distributions coarsened to that partition: it needs no
     guess about how the target spreads its tail, and it still penalises a draft that puts mass elsewhere.
+    A stored token the draft does not score (column ``-1``, outside a ``--draft-vocab`` head) joins the tail.
 
     Args:
-        draft_logits: ``(batch, positions, vocab)``.
-        topk_ids: ``(batch, positions, k)`` target's top-k token ids.
+        draft_logits: ``(batch, positions, columns)`` the draft's scores, one column per scored token.
+        topk_columns: ``(batch, positions, k)`` the column of each of the target's top-k tokens, ``-1`` if unscored.
         topk_log_probs: ``(batch, positions, k)`` their log-probs, normalised over the full vocabulary.
         weights: ``(batch, positions)`` loss weights (0 for padding / positions without stored targets).
     """
-    draft_log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    draft_top = draft_log_probs.gather(-1, topk_ids)
-    target_top = topk_log_probs
-    target_mass = target_top.exp().sum(-1)
-    target_tail = (1.0 - target_mass).clamp(min=1e-6)
-    draft_tail = (1.0 - draft_top.exp().sum(-1)).clamp(min=1e-6)
-    per_position = (target_top.exp() * (target_top - draft_top)).sum(-1) + target_tail * (
+    scored = topk_columns >= 0
+    draft_top = torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, topk_columns.clamp(min=0))
+    target_probs = topk_log_probs.exp() * scored
+    target_tail = (1.0 - target_probs.sum(-1)).clamp(min=1e-6)
+    draft_tail = (1.0 - (draft_top.exp() * scored).sum(-1)).clamp(min=1e-6)
+    per_position = (target_probs * (topk_log_probs - draft_top)).sum(-1) + target_tail * (
         target_tail.log() - draft_tail.log()
     )
     return (per_position * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+class ScoredTokens:
+    """The tokens whose draft scores the loss compares with the target's: all of them, or a ``--draft-vocab`` set.
+
+    Scoring only the tokens the exported head will keep makes each training step cheaper (the LM head is most of
+    a small draft's compute) and trains exactly the distribution the shipped draft proposes from.
+
+    Args:
+        vocab_size: The full vocabulary size.
+        token_ids: Sorted ids of the scored tokens, or ``None`` for the full vocabulary.
+    """
+
+    def __init__(self, vocab_size: int, token_ids: torch.Tensor | None = None):
+        self.token_ids = token_ids
+        if token_ids is None:
+            self.column_of = torch.arange(vocab_size)
+        else:
+            self.column_of = torch.full((vocab_size,), -1, dtype=torch.long)
+            self.column_of[token_ids] = torch.arange(token_ids.numel())
+
+    def loss(
+        self,
+        draft: PreTrainedModel,
+        input_ids: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_log_probs: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`top_k_kl` of the draft's next-token scores at every position but the last."""
+        hidden = draft.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        head = draft.get_output_embeddings().weight
+        # Indexing inside the step keeps a trainable (unshared) head's gradient flowing to its full weight.
+        scores = hidden @ (head if self.token_ids is None else head[self.token_ids]).T
+        return top_k_kl(scores, self.column_of[topk_ids], topk_log_probs, weights)
+
+
+def scored_tokens(args: argparse.Namespace, vocab_size: int) -> ScoredTokens:
+    """The training loss's tokens: ``--draft-vocab`` most frequent ones (as export keeps), else all."""
+    if not args.draft_vocab:
+        return ScoredTokens(vocab_size)
+    counts = target_token_counts(Path(args.out) / "data", vocab_size)
+    return ScoredTokens(vocab_size, frequent_tokens(counts, args.draft_vocab))
 
 
 def learning_rate(base_lr: float, step: int, warmup_steps: int, progress: float) -> float:
@@ -628,14 +674,16 @@ def load_checkpoint_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrain
 
 
 @torch.no_grad()
-def validation_loss(draft: PreTrainedModel, examples: list[Example], batch_tokens: int) -> float:
-    """Mean top-k KL of the draft on held-out examples (NaN when there are none)."""
+def validation_loss(
+    draft: PreTrainedModel, examples: list[Example], batch_tokens: int, scored: ScoredTokens
+) -> float:
+    """Mean top-k KL of the draft over the ``scored`` tokens on held-out examples (NaN when there are none)."""
     if not examples:
         return math.nan
     total, weight = 0.0, 0.0
     for batch in batches(examples, batch_tokens, random.Random(0)):
         input_ids, topk_ids, topk_log_probs, weights = collate(batch)
-        loss = top_k_kl(draft(input_ids=input_ids).logits[:, :-1], topk_ids, topk_log_probs, weights)
+        loss = scored.loss(draft, input_ids, topk_ids, topk_log_probs, weights)
         total += float(loss) * float(weights.sum())
         weight += float(weights.sum())
     return total / weight
@@ -651,6 +699,7 @@ class TrainState:
     seconds: float = 0.0
     tokens: float = 0.0
     best_val: float = math.inf
+    draft_vocab: int = 0  # the --draft-vocab the loss (and so best_val) was measured with
 
 
 def save_checkpoint(
@@ -714,9 +763,15 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
     if resume_from is not None:
         draft, spec, saved = load_checkpoint_draft(resume_from, target)
         state = TrainState(**saved["state"])
+        if state.draft_vocab != args.draft_vocab:
+            # A loss over other tokens is another quantity: earlier val losses no longer rank checkpoints.
+            print(f"train: --draft-vocab {state.draft_vocab} -> {args.draft_vocab}; best val loss reset")
+            state.best_val, state.draft_vocab = math.inf, args.draft_vocab
     else:
         spec = draft_spec_from_args(args, target)
         draft = new_draft(target, spec)
+        state.draft_vocab = args.draft_vocab
+    scored = scored_tokens(args, target.config.vocab_size)
     draft.train()
     trainable = [parameter for parameter in draft.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
@@ -745,7 +800,7 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(args.lr, state.step, args.warmup_steps, max(step_progress, time_progress))
             input_ids, topk_ids, topk_log_probs, weights = collate(batch)
-            loss = top_k_kl(draft(input_ids=input_ids).logits[:, :-1], topk_ids, topk_log_probs, weights)
+            loss = scored.loss(draft, input_ids, topk_ids, topk_log_probs, weights)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -758,13 +813,13 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
                 loss=f"{float(loss.detach()):.3f}", epoch=state.epoch, lr=f"{optimizer.param_groups[0]['lr']:.2e}"
             )
             if time.monotonic() - last_checkpoint > args.checkpoint_minutes * 60:
-                _checkpoint_with_validation(args, draft, spec, optimizer, state, holdout, progress)
+                _checkpoint_with_validation(args, draft, spec, optimizer, state, holdout, scored, progress)
                 last_checkpoint = time.monotonic()
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
     state.seconds = time.monotonic() - started
-    _checkpoint_with_validation(args, draft, spec, optimizer, state, holdout, progress)
+    _checkpoint_with_validation(args, draft, spec, optimizer, state, holdout, scored, progress)
     progress.close()
     return draft.eval()
 
@@ -776,11 +831,12 @@ def _checkpoint_with_validation(
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     holdout: list[Example],
+    scored: ScoredTokens,
     progress: tqdm,
 ) -> None:
     """Measure the held-out loss, save a checkpoint, and log both."""
     draft.eval()
-    val = validation_loss(draft, holdout, args.batch_tokens)
+    val = validation_loss(draft, holdout, args.batch_tokens, scored)
     draft.train()
     path = save_checkpoint(args.out, draft, spec, optimizer, state, val)
     progress.write(
@@ -1011,6 +1067,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-new-tokens", type=int, default=128, help="Answer length cap (generate and evaluate).")
     data.add_argument("--top-k", type=int, default=32, help="Target log-probs stored per position.")
     data.add_argument("--gen-batch-size", type=int, default=16)
+    data.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        help="Answer only prompts from this index of the set on (e.g. prompts just appended to it, first).",
+    )
     data.add_argument("--gen-minutes", type=float, default=None, help="Stop generating after this long.")
     train = parser.add_argument_group("train")
     train.add_argument("--layers", type=int, default=3, help="Decoder layers of the draft.")
@@ -1024,6 +1086,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Freeze the target's embedding/LM head and share it (the saved draft holds only its own layers).",
+    )
+    train.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="Train, evaluate and export a draft whose LM head scores only the N tokens most often in the target's "
+        "top-8 on the training data (0: the full vocabulary). Smaller heads make the draft much faster, and "
+        "training faster too.",
     )
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--weight-decay", type=float, default=0.0)
@@ -1043,13 +1113,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--eval-limit", type=int, default=None, help="Evaluate on the first N eval prompts.")
     evaluation.add_argument("--checkpoint", default=None, help="Checkpoint to evaluate/export (default: newest).")
     evaluation.add_argument("--export-path", default=None, help="Draft file to write (default OUT/draft.safetensors).")
-    evaluation.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=0,
-        help="Evaluate/export a draft whose LM head scores only the N tokens most often in the target's top-8 on "
-        "the training data (0: the full vocabulary). Smaller heads make the draft much faster.",
-    )
     evaluation.add_argument("--export-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -103,6 +105,13 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     assert resumed["spec"] == {"num_hidden_layers": 2, "init_layers": [0, 3], "share_embeddings": True}
     assert not any("embed_tokens" in name or "lm_head" in name for name in resumed["draft"])
 
+    # Resuming with a --draft-vocab loss scores fewer tokens: a new quantity, so the best val loss starts over.
+    vocab_args = ("--holdout-shards", "1", "--resume", "--draft-vocab", "10")
+    assert distill.run(common_args(root, "--stage", "train", "--epochs", "3", *vocab_args)) == 0
+    restricted = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    assert restricted["state"]["step"] > resumed["state"]["step"]
+    assert restricted["state"]["draft_vocab"] == 10 and restricted["state"]["best_val"] == restricted["val_loss"]
+
     assert distill.run(common_args(root, "--stage", "export")) == 0
     report = json.loads((root / "run" / "agreement.json").read_text())
     assert {"top1_agreement", "top4_coverage", "positions", "prompts", "forward_cost"} <= report.keys()
@@ -138,6 +147,49 @@ def test_top_k_kl_is_zero_for_matching_distributions() -> None:
     loss = distill.top_k_kl(logits, ids, values, torch.ones(2, 3))
     assert abs(float(loss)) < 1e-5
     assert float(distill.top_k_kl(torch.randn(2, 3, 10), ids, values, torch.ones(2, 3))) > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    vocab_size=st.integers(4, 40),
+    k=st.integers(1, 8),
+    subset_fraction=st.floats(0.1, 1.0),
+)
+def test_top_k_kl_is_the_exact_kl_of_the_coarsened_distributions(
+    seed: int, vocab_size: int, k: int, subset_fraction: float
+) -> None:
+    """With a --draft-vocab head, stored tokens outside it join the tail bucket: KL over that partition, exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    k = min(k, vocab_size)
+    target_log_probs = torch.log_softmax(3 * torch.randn(vocab_size, generator=generator, dtype=torch.float64), -1)
+    topk_log_probs, topk_ids = target_log_probs.topk(k)
+    subset = torch.randperm(vocab_size, generator=generator)[: max(1, int(subset_fraction * vocab_size))].sort().values
+    scored = distill.ScoredTokens(vocab_size, subset)
+    draft_scores = torch.randn(subset.numel(), generator=generator, dtype=torch.float64)
+    loss = distill.top_k_kl(
+        draft_scores.view(1, 1, -1), scored.column_of[topk_ids].view(1, 1, -1), topk_log_probs.view(1, 1, -1),
+        torch.ones(1, 1),
+    )  # fmt: skip
+
+    draft_probs = torch.zeros(vocab_size, dtype=torch.float64)
+    draft_probs[subset] = torch.softmax(draft_scores, -1)
+    buckets = [int(token) for token in topk_ids if int(token) in set(subset.tolist())]
+    target_buckets = target_log_probs.exp()[buckets]
+    draft_buckets = draft_probs[buckets]
+    # Both tails are clamped at 1e-6 (the loss's guard against log 0 when the top-k holds all the mass).
+    target_tail, draft_tail = (1 - target_buckets.sum()).clamp(min=1e-6), (1 - draft_buckets.sum()).clamp(min=1e-6)
+    expected = (target_buckets * (target_buckets / draft_buckets).log()).sum() + target_tail * (
+        target_tail / draft_tail
+    ).log()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
+
+
+def test_first_prompt_answers_only_the_later_prompts(tiny_run: Path) -> None:
+    args = common_args(tiny_run, "--stage", "generate", "--first-prompt", "20", "--out", str(tiny_run / "late"))
+    assert distill.run(args) == 0
+    jobs = [job for path in distill.shard_paths(tiny_run / "late" / "data") for job in torch.load(path)["jobs"]]
+    assert sorted(job["prompt_index"] for job in jobs) == [20, 20, 21, 21, 22, 22, 23, 23]
 
 
 def test_bad_init_layers_are_rejected(tiny_run: Path) -> None:
