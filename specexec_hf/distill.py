@@ -5,8 +5,9 @@ Stages (``--stage``, default ``all`` runs them in order):
 * ``generate``: the target answers chat prompts (one greedy answer plus ``--samples-per-prompt`` sampled
   ones per prompt) in batches and, while it decodes, keeps its top-k log-probs at every position, so training
   never runs the target again. Shards go to ``OUT/data/``; an interrupted run resumes where it stopped.
-* ``train``: a shallow Llama draft whose layers start as copies of chosen target layers learns the target's
-  stored distributions with a KL loss. Checkpoints go to ``OUT/checkpoints/``; ``--resume`` continues.
+* ``train``: a shallow Llama draft whose layers start as copies of chosen target layers (or as an exported
+  draft, ``--init-from``) learns the target's stored distributions with a KL loss. Checkpoints go to
+  ``OUT/checkpoints/``; ``--resume`` continues.
 * ``evaluate``: teacher-forced on the target's greedy answers to held-out prompts, how often the draft's top-1
   token equals the target's argmax and how often the argmax is in the draft's top 4; written as JSON.
 * ``export``: the draft's own weights (fp16/bf16 safetensors) plus a JSON with its config and the report.
@@ -26,11 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedModel
 
-from .models import build_draft, draft_config_from_target, load_default_target, own_state_dict, share_target_embeddings
+from .models import (
+    HEAD_TOKEN_IDS,
+    build_draft,
+    draft_config_from_target,
+    load_default_target,
+    own_state_dict,
+    share_target_embeddings,
+)
 from .prompts import load_prompt_records, prompt_file
 from .vocab import frequent_tokens, restrict_draft_vocabulary
 
@@ -621,12 +629,25 @@ class ScoredTokens:
         return top_k_kl(scores, self.column_of[topk_ids], topk_log_probs, weights)
 
 
-def scored_tokens(args: argparse.Namespace, vocab_size: int) -> ScoredTokens:
-    """The training loss's tokens: ``--draft-vocab`` most frequent ones (as export keeps), else all."""
+def head_token_ids(
+    args: argparse.Namespace, vocab_size: int, trained_with: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The tokens a ``--draft-vocab N`` draft's head scores (``None``, the full vocabulary, without the option).
+
+    A draft keeps the set it was trained with when that set has N tokens: recounting the data would pick another
+    set as soon as shards were added since, and export a head the draft never learned. Only a fresh draft, or a
+    new N, gets the N tokens the target ranks high most often in the data.
+
+    Args:
+        args: Parsed command line (``--draft-vocab``, ``--out``).
+        vocab_size: The full vocabulary size.
+        trained_with: The set saved with the draft's checkpoint or export, if any.
+    """
     if not args.draft_vocab:
-        return ScoredTokens(vocab_size)
-    counts = target_token_counts(Path(args.out) / "data", vocab_size)
-    return ScoredTokens(vocab_size, frequent_tokens(counts, args.draft_vocab))
+        return None
+    if trained_with is not None and trained_with.numel() == args.draft_vocab:
+        return trained_with.long()
+    return frequent_tokens(target_token_counts(Path(args.out) / "data", vocab_size), args.draft_vocab)
 
 
 def learning_rate(base_lr: float, step: int, warmup_steps: int, progress: float) -> float:
@@ -664,6 +685,33 @@ def resolve_checkpoint(args: argparse.Namespace) -> Path:
         looked = args.checkpoint or checkpoint_dir(args.out)
         raise FileNotFoundError(f"No checkpoint found (looked for {looked}); run --stage train first.")
     return path
+
+
+def load_exported_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrainedModel, DraftSpec, torch.Tensor | None]:
+    """An exported draft (``path`` beside its ``.json``) in float32, ready to train further (``--init-from``).
+
+    Returns the draft with its full-vocabulary head, its spec, and the token ids its exported head scored (``None``
+    when it scored all), so training goes on over the same tokens.
+
+    Args:
+        path: The ``.safetensors`` file written by the export stage (e.g. the shipped SmolLM2 draft).
+        target: The target it was distilled from (its embedding is shared again).
+    """
+    meta_path = path.with_suffix(".json")
+    if not path.is_file() or not meta_path.is_file():
+        raise FileNotFoundError(
+            f"--init-from needs an exported draft: {path} and {meta_path.name} beside it (written by --stage export)."
+        )
+    meta = json.loads(meta_path.read_text())
+    spec = DraftSpec(meta["num_hidden_layers"], tuple(meta["init_layers"]), meta["share_embeddings"])
+    if not spec.share_embeddings:
+        raise ValueError(
+            f"--init-from {path}: only drafts that share the target's embedding can be trained further; "
+            "distil this one from its checkpoint with --resume instead."
+        )
+    weights = load_file(path)
+    token_ids = weights.pop(HEAD_TOKEN_IDS, None)
+    return restore_draft(target, spec, {name: tensor.float() for name, tensor in weights.items()}), spec, token_ids
 
 
 def load_checkpoint_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrainedModel, DraftSpec, dict[str, Any]]:
@@ -709,10 +757,12 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     val: float,
+    scored: ScoredTokens,
 ) -> Path:
     """Write ``step_XXXXXXX.pt`` (keeping the three newest) and refresh ``best.pt`` on a new best val loss.
 
-    Without held-out shards ``val`` is NaN and every checkpoint counts as the best (the newest wins).
+    Without held-out shards ``val`` is NaN and every checkpoint counts as the best (the newest wins). The
+    checkpoint keeps the token set the loss scored, which evaluation and export then give the draft's head.
     """
     is_best = math.isnan(val) or val <= state.best_val
     if not math.isnan(val):
@@ -722,6 +772,7 @@ def save_checkpoint(
         "draft": {name: tensor.detach().clone() for name, tensor in draft_weights(draft, spec).items()},
         "optimizer": optimizer.state_dict(),
         "state": vars(state).copy(),
+        "draft_token_ids": scored.token_ids,
         "val_loss": val,
     }
     path = checkpoint_dir(out) / f"step_{state.step:07d}.pt"
@@ -759,19 +810,21 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
     examples = load_examples(paths[args.holdout_shards :], args.prompt_weight, args.max_seq_len)
     positions = sum(float(example.weights.gt(0).sum()) for example in examples)
     resume_from = latest_checkpoint(args.out) if args.resume else None
-    state = TrainState()
+    state = TrainState(draft_vocab=args.draft_vocab)
+    trained_with = None
     if resume_from is not None:
         draft, spec, saved = load_checkpoint_draft(resume_from, target)
-        state = TrainState(**saved["state"])
+        state, trained_with = TrainState(**saved["state"]), saved.get("draft_token_ids")
         if state.draft_vocab != args.draft_vocab:
             # A loss over other tokens is another quantity: earlier val losses no longer rank checkpoints.
             print(f"train: --draft-vocab {state.draft_vocab} -> {args.draft_vocab}; best val loss reset")
             state.best_val, state.draft_vocab = math.inf, args.draft_vocab
+    elif args.init_from:
+        draft, spec, trained_with = load_exported_draft(Path(args.init_from), target)
     else:
         spec = draft_spec_from_args(args, target)
         draft = new_draft(target, spec)
-        state.draft_vocab = args.draft_vocab
-    scored = scored_tokens(args, target.config.vocab_size)
+    scored = ScoredTokens(target.config.vocab_size, head_token_ids(args, target.config.vocab_size, trained_with))
     draft.train()
     trainable = [parameter for parameter in draft.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
@@ -784,6 +837,7 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
         f"train: {len(examples)} sequences, {positions:.0f} target positions, {epoch_batches} batches/epoch, "
         f"draft {spec.as_dict()}, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters"
         + (f", resuming from {resume_from} at step {state.step}" if resume_from else "")
+        + (f", starting from the exported {args.init_from}" if args.init_from and not resume_from else "")
     )
     progress = tqdm(total=total_steps, initial=state.step, desc="train (steps)", dynamic_ncols=True)
     started, last_checkpoint = time.monotonic() - state.seconds, time.monotonic()
@@ -838,7 +892,7 @@ def _checkpoint_with_validation(
     draft.eval()
     val = validation_loss(draft, holdout, args.batch_tokens, scored)
     draft.train()
-    path = save_checkpoint(args.out, draft, spec, optimizer, state, val)
+    path = save_checkpoint(args.out, draft, spec, optimizer, state, val, scored)
     progress.write(
         f"checkpoint {path.name}: step {state.step}, epoch {state.epoch}, {state.tokens:.0f} positions seen, "
         f"{state.seconds / 60:.1f} min, val KL {val:.4f}"
@@ -898,11 +952,6 @@ def target_token_counts(data_dir: Path, vocab_size: int, top: int = 8) -> torch.
     return counts
 
 
-def restrict_to_frequent_tokens(args: argparse.Namespace, draft: PreTrainedModel) -> None:
-    """With ``--draft-vocab N``: the draft's head scores only the N tokens the target ranks high most often."""
-    if args.draft_vocab:
-        counts = target_token_counts(Path(args.out) / "data", draft.config.vocab_size)
-        restrict_draft_vocabulary(draft, frequent_tokens(counts, args.draft_vocab))
 
 
 @torch.inference_mode()
@@ -974,7 +1023,9 @@ def load_evaluated_draft(
     """The checkpoint the evaluate and export stages work on, restricted per ``--draft-vocab``."""
     path = resolve_checkpoint(args)
     draft, spec, saved = load_checkpoint_draft(path, target)
-    restrict_to_frequent_tokens(args, draft)
+    token_ids = head_token_ids(args, draft.config.vocab_size, saved.get("draft_token_ids"))
+    if token_ids is not None:
+        restrict_draft_vocabulary(draft, token_ids)
     return path, draft, spec, saved
 
 
@@ -1094,6 +1145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Train, evaluate and export a draft whose LM head scores only the N tokens most often in the target's "
         "top-8 on the training data (0: the full vocabulary). Smaller heads make the draft much faster, and "
         "training faster too.",
+    )
+    train.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DRAFT.safetensors",
+        help="Start from an exported draft (beside its .json; e.g. the shipped one) instead of copies of target "
+        "layers: --layers/--init-layers are then taken from it. Ignored when --resume finds a checkpoint.",
     )
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--weight-decay", type=float, default=0.0)

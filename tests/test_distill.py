@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,49 @@ def test_bad_init_layers_are_rejected(tiny_run: Path) -> None:
     target, _ = distill.load_target(str(tiny_run / "target"))
     with pytest.raises(ValueError, match="--init-layers"):
         distill.draft_spec_from_args(common_args(tiny_run, "--init-layers", "0,9"), target)
+
+
+def test_draft_vocab_set_travels_with_the_checkpoint_and_the_export(tiny_run: Path) -> None:
+    """Export gives the head the token set the draft was trained on, not a recount of data added since;
+    --init-from continues from an export with its weights and its set."""
+    out = tiny_run / "vocab_run"
+    vocab_args = ("--out", str(out), "--draft-vocab", "10")
+    assert distill.run(common_args(tiny_run, "--stage", "generate", "--out", str(out))) == 0
+    assert distill.run(common_args(tiny_run, "--stage", "train", "--epochs", "1", *vocab_args)) == 0
+    checkpoint_path = distill.latest_checkpoint(out)
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    target, _ = distill.load_target(str(tiny_run / "target"))
+    counted = distill.frequent_tokens(distill.target_token_counts(out / "data", target.config.vocab_size), 10)
+    assert torch.equal(checkpoint["draft_token_ids"], counted)
+
+    # Stand-in for shards added after training: a set the data would no longer pick.
+    trained_with = torch.tensor(sorted(set(range(target.config.vocab_size)) - set(counted.tolist()))[:10])
+    checkpoint["draft_token_ids"] = trained_with
+    torch.save(checkpoint, checkpoint_path)
+    export = out / "draft.safetensors"
+    export_args = ("--stage", "export", "--checkpoint", str(checkpoint_path), *vocab_args)
+    assert distill.run(common_args(tiny_run, *export_args)) == 0
+    assert load_file(export)["lm_head.token_ids"].tolist() == trained_with.tolist()
+
+    draft, spec, token_ids = distill.load_exported_draft(export, target)
+    assert spec.as_dict() == checkpoint["spec"] and token_ids.tolist() == trained_with.tolist()
+    assert all(parameter.dtype == torch.float32 for parameter in draft.parameters())
+    weights = {name: tensor.float() for name, tensor in load_file(export).items()}
+    shipped = build_draft(target, draft_config_from_target(target.config, spec.num_hidden_layers), weights)
+    restricted = distill.restrict_draft_vocabulary(draft, token_ids)
+    input_ids = torch.tensor([[1, 5, 6, 7]])
+    assert torch.equal(restricted(input_ids=input_ids).logits, shipped(input_ids=input_ids).logits)
+
+    continued = tiny_run / "continued_run"
+    init_args = ("--out", str(continued), "--draft-vocab", "10", "--init-from", str(export))
+    shutil.copytree(out / "data", continued / "data")
+    assert distill.run(common_args(tiny_run, "--stage", "train", "--epochs", "1", *init_args)) == 0
+    resumed = torch.load(distill.latest_checkpoint(continued), weights_only=False)
+    assert resumed["spec"] == checkpoint["spec"]
+    assert resumed["draft_token_ids"].tolist() == trained_with.tolist()
+
+
+def test_init_from_a_missing_export_names_the_option(tiny_run: Path) -> None:
+    target, _ = distill.load_target(str(tiny_run / "target"))
+    with pytest.raises(FileNotFoundError, match="--init-from"):
+        distill.load_exported_draft(tiny_run / "nowhere.safetensors", target)
