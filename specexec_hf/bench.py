@@ -327,15 +327,10 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
 def load_distilled_pair(weights: Path) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
     """The default target with a distilled draft export (``weights`` beside its ``.json``), as
     :func:`specexec_hf.models.load_default_pair` builds the shipped one."""
-    from safetensors.torch import load_file
-
     from . import models
 
     target, tokenizer = models.load_default_target()
-    meta = json.loads(weights.with_suffix(".json").read_text())
-    config = models.draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
-    own_weights = {name: tensor.to(target.dtype) for name, tensor in load_file(weights).items()}
-    return target, models.build_draft(target, config, own_weights), tokenizer
+    return target, models.load_draft_export(target, weights), tokenizer
 
 
 def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:

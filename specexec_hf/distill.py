@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedModel
 
@@ -37,6 +37,7 @@ from .models import (
     draft_config_from_target,
     load_default_target,
     own_state_dict,
+    read_draft_export,
     share_target_embeddings,
 )
 from .prompts import load_prompt_records, prompt_file
@@ -702,16 +703,15 @@ def load_exported_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrained
         raise FileNotFoundError(
             f"--init-from needs an exported draft: {path} and {meta_path.name} beside it (written by --stage export)."
         )
-    meta = json.loads(meta_path.read_text())
+    meta, weights = read_draft_export(path, torch.float32)
     spec = DraftSpec(meta["num_hidden_layers"], tuple(meta["init_layers"]), meta["share_embeddings"])
     if not spec.share_embeddings:
         raise ValueError(
             f"--init-from {path}: only drafts that share the target's embedding can be trained further; "
             "distil this one from its checkpoint with --resume instead."
         )
-    weights = load_file(path)
     token_ids = weights.pop(HEAD_TOKEN_IDS, None)
-    return restore_draft(target, spec, {name: tensor.float() for name, tensor in weights.items()}), spec, token_ids
+    return restore_draft(target, spec, weights), spec, token_ids
 
 
 def load_checkpoint_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrainedModel, DraftSpec, dict[str, Any]]:
@@ -950,8 +950,6 @@ def target_token_counts(data_dir: Path, vocab_size: int, top: int = 8) -> torch.
         for row in torch.load(path)["rows"]:
             counts += torch.bincount(row["topk_ids"][:, :top].long().reshape(-1), minlength=vocab_size)
     return counts
-
-
 
 
 @torch.inference_mode()

@@ -235,6 +235,28 @@ def build_draft(
     return _no_sliding_window(draft).eval()
 
 
+def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An exported draft's metadata (the ``.json`` beside ``weights_path``) and tensors, floating ones in ``dtype``.
+
+    Args:
+        weights_path: A ``.safetensors`` file written by ``specexec-hf distill --stage export``.
+        dtype: Parameter dtype wanted (``lm_head.token_ids`` stays an integer tensor).
+    """
+    meta = json.loads(weights_path.with_suffix(".json").read_text())
+    weights = {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in load_file(weights_path).items()
+    }
+    return meta, weights
+
+
+def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrainedModel:
+    """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype."""
+    meta, own_weights = read_draft_export(weights_path, target.get_input_embeddings().weight.dtype)
+    draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
+    return build_draft(target, draft_config, own_weights)
+
+
 def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
     """Load SmolLM2-135M-Instruct, its shipped distilled draft, and the shared tokenizer.
 
@@ -252,10 +274,4 @@ def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedMod
             f"The shipped draft {DRAFT_WEIGHTS_PATH} (or its {DRAFT_META_PATH.name}) is missing. {_DISTILL_HINT}"
         )
     target, tokenizer = load_default_target(dtype)
-    meta = json.loads(DRAFT_META_PATH.read_text())
-    draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
-    own_weights = {
-        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-        for name, tensor in load_file(DRAFT_WEIGHTS_PATH).items()
-    }
-    return target, build_draft(target, draft_config, own_weights), tokenizer
+    return target, load_draft_export(target, DRAFT_WEIGHTS_PATH), tokenizer
