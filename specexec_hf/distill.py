@@ -984,9 +984,9 @@ def agreement(draft: PreTrainedModel, references: list[dict[str, Any]]) -> dict[
     hits_top1 = hits_top4 = positions = 0
     for row in references:
         start = row["topk_start"]
-        logits = draft(input_ids=row["input_ids"].long().unsqueeze(0).to(draft.device)).logits[0, start:-1].cpu()
+        logits = draft(input_ids=row["input_ids"].long().unsqueeze(0).to(draft.device)).logits[0, start:-1]
         target_argmax = row["topk_ids"][:, 0].long()
-        draft_top4 = logits.topk(4, dim=-1).indices
+        draft_top4 = logits.topk(4, dim=-1).indices.cpu()
         hits_top1 += int((draft_top4[:, 0] == target_argmax).sum())
         hits_top4 += int((draft_top4 == target_argmax.unsqueeze(-1)).any(-1).sum())
         positions += len(target_argmax)
@@ -1090,11 +1090,16 @@ def evaluate_checkpoint(args: argparse.Namespace, target: PreTrainedModel, token
     return agreement_report(args, path, saved, draft, target, tokenizer)
 
 
+def stored_as_int8(tensor: torch.Tensor) -> bool:
+    """Whether an int8 export stores ``tensor`` as int8: its floating matrices; vectors stay float16."""
+    return tensor.is_floating_point() and tensor.ndim == 2
+
+
 def round_trip_int8(weights: dict[str, torch.Tensor]) -> None:
     """Replace each matrix in ``weights`` (tensors sharing the draft's parameters) by its int8 round trip."""
     with torch.no_grad():
         for tensor in weights.values():
-            if tensor.is_floating_point() and tensor.ndim == 2:
+            if stored_as_int8(tensor):
                 tensor.copy_(dequantize_rows_int8(*quantize_rows_int8(tensor)))
 
 
@@ -1111,7 +1116,7 @@ def export_tensors(weights: dict[str, torch.Tensor], export_dtype: str) -> dict[
     stored = {}
     for name, tensor in weights.items():
         tensor = tensor.detach().cpu()
-        if export_dtype == "int8" and tensor.is_floating_point() and tensor.ndim == 2:
+        if export_dtype == "int8" and stored_as_int8(tensor):
             stored[name], stored[name + INT8_SCALE_SUFFIX] = quantize_rows_int8(tensor)
         elif tensor.is_floating_point():
             stored[name] = tensor.to(torch.float16 if export_dtype == "int8" else getattr(torch, export_dtype))
@@ -1255,9 +1260,9 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as error:
         raise ValueError(f"--device {name!r} is not a torch device name (try 'cpu' or 'cuda').") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r}: this torch build or machine has no CUDA GPU; use --device cpu.")
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: this torch build or machine has no CUDA GPU; use --device cpu.")
         # TF32 matmuls: the draft learns the target's distributions to far coarser precision than TF32 rounds.
         torch.backends.cuda.matmul.allow_tf32 = True
     return device
