@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from .calibration import continuation_logits
 from .config import SpecExecConfig
 from .search import ExpandFn, SearchResult
 from .tree import TokenTree
@@ -254,10 +255,7 @@ def measure_acceptance(
     """
     totals = torch.zeros(ranks, dtype=torch.float64)
     positions = 0
-    for sequence, prompt_length in zip(sequences, prompt_lengths):
-        ids = sequence[None].to(target.device)
-        target_logits = target(ids).logits[0, prompt_length - 1 : -1].float()
-        draft_logits = draft(ids.to(draft.device)).logits[0, prompt_length - 1 : -1].float()
+    for target_logits, draft_logits in continuation_logits(target, draft, sequences, prompt_lengths):
         if temperature > 0:
             probs = _top_p(torch.softmax(target_logits / temperature, dim=-1), top_p)
         else:

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 from .autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
 from .baselines import SequoiaSearch, SpecInferSearch, measure_acceptance
 from .config import SpecExecConfig
+from .models import GREEDY_TEMPERATURE_KEY
 from .search import grow_tree
 from .stats import SpecExecStats
 
@@ -309,7 +310,8 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
         meta = json.loads(weights.with_suffix(".json").read_text())
         draft_info = {
             "name": f"distilled SmolLM2 draft ({weights})",
-            "meta": {k: meta.get(k) for k in ("num_hidden_layers", "training", "val_kl", "agreement")},
+            "meta": {k: meta.get(k) for k in ("num_hidden_layers", "training", "val_kl", "agreement",
+                                               models.GREEDY_TEMPERATURE_KEY)},
         }
     info = {
         "target": {"name": "SmolLM2-135M-Instruct", "parameters": _parameters(target), "offload": args.offload},
@@ -435,6 +437,13 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "",
         "Tokens per target forward: pooled over prompts (p10-p90 across prompts). Shares are of wall time; host "
         "is everything but model forwards. Speed-up is tokens/s over autoregressive at the same temperature.",
+    ]
+    tree = env["arguments"]
+    greedy_fit = (report["models"]["draft"].get("meta") or {}).get(GREEDY_TEMPERATURE_KEY)
+    lines += [
+        "", f"Trees: max_depth {tree['max_depth']}, max_branch {tree['max_branch']}. Greedy SpecExec ranks its tree "
+        + (f"at the draft's calibrated temperature {greedy_fit['temperature']:.3f} (fit on {greedy_fit['count']} "
+           f"'{greedy_fit['prompts']}' prompts)." if greedy_fit else "at draft temperature 1."),
     ]
     if not report["complete"]:
         lines += ["", "**Incomplete: the grid is still running or was interrupted; these are the finished runs.**"]

@@ -110,7 +110,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, distill
+    from . import bench, calibration, distill
 
     parser = argparse.ArgumentParser(prog="specexec-hf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, summary in (
         ("distill", distill, "Distill a small draft for a target that lacks a small sibling."),
         ("bench", bench, "Benchmark SpecExec against autoregressive, HF assisted, SpecInfer- and Sequoia-style trees."),
+        ("calibrate", calibration, "Fit a draft's greedy tree-ranking temperature on its target's greedy answers."),
     ):
         subparser = commands.add_parser(
             name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -28,7 +28,7 @@ class SpecExecConfig:
 
     budget: int | Literal["auto"] = 64
     max_depth: int = 16
-    max_branch: int = 8
+    max_branch: int = 16
     expand_per_forward: int = 16
     max_draft_forwards: int | None = None
     draft_temperature: float | None = None

@@ -18,6 +18,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorLi
 from transformers.generation.streamers import BaseStreamer
 
 from .autobudget import auto_budget_for
+from .calibration import greedy_draft_temperature
 from .compat import check_same_vocabulary, check_supported, node_logits
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
@@ -90,12 +91,14 @@ def _validate_request(model, input_ids, generation_config, model_kwargs, synced_
     check_supported(model, "target")
 
 
-def _draft_temperature(config: SpecExecConfig, generation_config: GenerationConfig) -> float:
+def _draft_temperature(
+    config: SpecExecConfig, generation_config: GenerationConfig, draft_model: PreTrainedModel
+) -> float:
     if config.draft_temperature is not None:
         return config.draft_temperature
     if generation_config.do_sample and generation_config.temperature:
         return float(generation_config.temperature)
-    return 1.0
+    return greedy_draft_temperature(draft_model)
 
 
 @torch.no_grad()
@@ -161,7 +164,7 @@ def generate(
         max_draft_forwards=max_draft_forwards,
         draft_temperature=draft_temperature,
     )
-    draft_temperature = _draft_temperature(config, generation_config)
+    draft_temperature = _draft_temperature(config, generation_config, draft_model)
     drafter = SpecExecCandidateGenerator(draft_model, config, draft_temperature, search=tree_search)
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     processor = TreeLogitsProcessor(logits_processor)

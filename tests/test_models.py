@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,13 @@ def test_int8_rows_round_trip_within_half_a_step_and_requantize_identically(
     again, again_scale = quantize_rows_int8(restored)
     assert torch.equal(again, q)
     torch.testing.assert_close(again_scale, scale)
+
+
+@needs_smollm2
+@needs_draft
+def test_shipped_draft_carries_its_greedy_temperature_fit(pair: tuple) -> None:
+    from specexec_hf.calibration import GREEDY_TEMPERATURE_ATTRIBUTE
+
+    fit = json.loads(models.DRAFT_META_PATH.read_text())[models.GREEDY_TEMPERATURE_KEY]
+    assert fit["cross_entropy"] <= fit["cross_entropy_at_one"]
+    assert getattr(pair[1].config, GREEDY_TEMPERATURE_ATTRIBUTE) == fit["temperature"]

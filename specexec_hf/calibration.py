@@ -1,0 +1,246 @@
+"""How far a draft's probabilities are to be trusted when ranking SpecExec's tree under greedy decoding.
+
+SpecExec keeps the tree nodes with the highest cumulative draft log-probability. Under greedy decoding a node is
+accepted when every token on its path is the target's argmax, so the ideal rank is the log-probability *that the
+target's argmax is that token*. A distilled draft imitates the target's full distribution instead, which is
+flatter than "which token wins": its probabilities are miscalibrated for that question. One temperature fixes
+most of it. :func:`fit_greedy_temperature` picks the ``T`` whose ``softmax(draft_logits / T)`` best predicts the
+target's greedy tokens (lowest cross-entropy), and :func:`calibrate_draft_temperature` stores it on the draft,
+where greedy ``generate()`` calls find it (an explicit ``draft_temperature=`` still wins). The tree's shape is
+all it changes: outputs stay exactly the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+GREEDY_TEMPERATURE_ATTRIBUTE = "specexec_greedy_temperature"
+"""Attribute of a draft's ``config`` holding its calibrated greedy draft temperature (saved with the config)."""
+
+_SEARCH_BOUNDS = (0.05, 20.0)  # inverse temperatures searched, so temperatures 20 down to 0.05
+_SEARCH_STEPS = 60
+
+
+@dataclass(frozen=True)
+class TemperatureFit:
+    """Result of :func:`fit_greedy_temperature`.
+
+    Args:
+        temperature: The fitted draft temperature.
+        positions: Continuation positions the fit used (those whose target token the draft can propose).
+        cross_entropy: Mean cross-entropy of the target's greedy tokens at ``temperature`` (nats).
+        cross_entropy_at_one: The same at temperature 1, for comparison.
+    """
+
+    temperature: float
+    positions: int
+    cross_entropy: float
+    cross_entropy_at_one: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def greedy_draft_temperature(draft: PreTrainedModel) -> float:
+    """The temperature greedy decoding ranks ``draft``'s trees with: its calibrated one, else 1."""
+    calibrated = getattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, None)
+    return 1.0 if calibrated is None else float(calibrated)
+
+
+@torch.inference_mode()
+def continuation_logits(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, the target's and the draft's float logits at the positions that predict its continuation.
+
+    Args:
+        target: The target model.
+        draft: The draft model.
+        sequences: ``[L]`` token ids, prompt then continuation.
+        prompt_lengths: Prompt length of each sequence; the logits start at the position predicting token
+            ``prompt_length``.
+    """
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError(f"Got {len(sequences)} sequences but {len(prompt_lengths)} prompt lengths.")
+    for sequence, prompt_length in zip(sequences, prompt_lengths):
+        ids = sequence.reshape(1, -1)
+        target_logits = target(ids.to(target.device)).logits[0, prompt_length - 1 : -1].float()
+        draft_logits = draft(ids.to(draft.device)).logits[0, prompt_length - 1 : -1].float()
+        yield target_logits, draft_logits.to(target_logits.device)
+
+
+def _mean_cross_entropy(draft_logits: torch.Tensor, labels: torch.Tensor, inverse_temperature: float) -> float:
+    scaled = draft_logits * inverse_temperature
+    return float((torch.logsumexp(scaled, dim=-1) - scaled.gather(-1, labels[:, None])[:, 0]).mean())
+
+
+def fit_temperature(draft_logits: torch.Tensor, labels: torch.Tensor) -> TemperatureFit:
+    """The temperature ``T`` minimising the cross-entropy of ``labels`` under ``softmax(draft_logits / T)``.
+
+    The cross-entropy is convex in the inverse temperature (a log-sum-exp of linear functions minus a linear
+    one), so a golden-section search over it finds the minimum, within temperatures 0.05 to 20.
+
+    Args:
+        draft_logits: ``[positions, vocab]`` logits; ``-inf`` marks tokens the draft cannot propose.
+        labels: ``[positions]`` the token that came at each position; each must have a finite logit.
+    """
+    if labels.numel() == 0:
+        raise ValueError("No position to fit a temperature on: pass prompts with non-empty answers.")
+    if not torch.isfinite(draft_logits.gather(-1, labels[:, None])).all():
+        raise ValueError("Every label needs a finite draft logit; leave out the tokens the draft cannot propose.")
+
+    def loss(log_inverse: float) -> float:
+        return _mean_cross_entropy(draft_logits, labels, math.exp(log_inverse))
+
+    low, high = (math.log(bound) for bound in _SEARCH_BOUNDS)
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(_SEARCH_STEPS):
+        left, right = high - golden * (high - low), low + golden * (high - low)
+        if loss(left) <= loss(right):
+            high = right
+        else:
+            low = left
+    best = (low + high) / 2
+    return TemperatureFit(math.exp(-best), labels.numel(), loss(best), loss(0.0))
+
+
+def fit_greedy_temperature(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+) -> TemperatureFit:
+    """The draft temperature whose softmax best predicts the target's greedy (argmax) tokens on ``sequences``.
+
+    Positions whose argmax the draft cannot propose (outside a restricted draft vocabulary) say nothing about
+    the temperature and are left out.
+
+    Args:
+        target: The target model.
+        draft: The draft model.
+        sequences: ``[L]`` token ids, prompt then continuation (e.g. the target's greedy answers).
+        prompt_lengths: Prompt length of each sequence.
+    """
+    draft_rows, labels = [], []
+    for target_logits, draft_logits in continuation_logits(target, draft, sequences, prompt_lengths):
+        argmax = target_logits.argmax(dim=-1)
+        proposable = torch.isfinite(draft_logits.gather(-1, argmax[:, None])[:, 0])
+        draft_rows.append(draft_logits[proposable])
+        labels.append(argmax[proposable])
+    return fit_temperature(torch.cat(draft_rows), torch.cat(labels))
+
+
+@torch.inference_mode()
+def calibrate_draft_temperature(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int = 64,
+) -> TemperatureFit:
+    """Fits the draft's greedy temperature on the target's greedy answers to ``prompts`` and stores it on the draft.
+
+    Greedy SpecExec ``generate()`` calls then rank their trees with it (``draft.config.specexec_greedy_temperature``;
+    ``save_pretrained`` keeps it). Use prompts like the ones you will serve, and not the ones you benchmark on.
+
+    Args:
+        target: The target model.
+        draft: The draft model; its config receives the fitted temperature.
+        prompts: ``[1, L]`` (or ``[L]``) prompt ids, chat-formatted as in use.
+        max_new_tokens: Length of each greedy answer.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    sequences, lengths = [], []
+    for prompt in prompts:
+        ids = prompt.reshape(1, -1).to(target.device)
+        answer = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        sequences.append(answer[0])
+        lengths.append(ids.shape[1])
+    fit = fit_greedy_temperature(target, draft, sequences, lengths)
+    setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, fit.temperature)
+    return fit
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line: `specexec-hf calibrate`
+# ----------------------------------------------------------------------------------------------------------
+
+
+def calibration_prompts(source: str, count: int, after_distilled: int = 0, seed: int = 0) -> list[str]:
+    """``count`` prompts to fit on: a split or file, optionally skipping those a distilled draft was trained on.
+
+    Args:
+        source: ``train``, ``eval`` or a JSONL prompt file (see :func:`specexec_hf.distill.read_prompts`).
+        count: How many prompts to return.
+        after_distilled: Skip the first ``after_distilled`` prompts of ``specexec-hf distill``'s generation order
+            (its ``--seed``): a draft distilled from that many prompts never saw the ones returned.
+        seed: The distillation's ``--seed``.
+    """
+    from .distill import plan_jobs, read_prompts
+
+    prompts = read_prompts(source)
+    order = [job.prompt_index for job in plan_jobs(len(prompts), 0, seed)][after_distilled:]
+    if not 0 < count <= len(order):
+        raise SystemExit(f"--count {count} is outside 1..{len(order)} (prompts left after --after-distilled).")
+    return [prompts[index] for index in order[:count]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``calibrate`` subcommand's options."""
+    parser.add_argument("--draft", default="default",
+                        help="'default' (the shipped draft) or a distilled draft export (.safetensors beside its .json).")
+    parser.add_argument("--prompts", default="train", help="'train', 'eval' or a JSONL prompt file (default train).")
+    parser.add_argument("--after-distilled", type=int, default=0,
+                        help="Skip the first N prompts of distill's generation order: the ones the draft learnt from.")
+    parser.add_argument("--seed", type=int, default=0, help="The distillation's --seed (default 0).")
+    parser.add_argument("--count", type=int, default=48, help="Prompts to fit on (default 48).")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="Greedy answer length (default 64).")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads.")
+    parser.add_argument("--write", action="store_true", help="Store the fit in the export's JSON.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fits the draft's greedy temperature; prints the fit and, with ``--write``, stores it in the export's JSON."""
+    from . import models
+
+    torch.set_num_threads(args.threads)
+    weights = models.DRAFT_WEIGHTS_PATH if args.draft == "default" else Path(args.draft)
+    if not weights.is_file() or not weights.with_suffix(".json").is_file():
+        raise SystemExit(f"--draft {weights}: expected a .safetensors export beside its .json.")
+    prompts = calibration_prompts(args.prompts, args.count, args.after_distilled, args.seed)
+    target, tokenizer = models.load_default_target()
+    draft = models.load_draft_export(target, weights)
+    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+    fit = calibrate_draft_temperature(target, draft, encoded, args.max_new_tokens)
+    record = {**fit.as_dict(), "prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
+              "count": args.count, "max_new_tokens": args.max_new_tokens}
+    print(json.dumps(record, indent=2))
+    if args.write:
+        meta_path = weights.with_suffix(".json")
+        meta = json.loads(meta_path.read_text())
+        meta[models.GREEDY_TEMPERATURE_KEY] = record
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        print(f"wrote {models.GREEDY_TEMPERATURE_KEY} to {meta_path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specexec-hf calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
