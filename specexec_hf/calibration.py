@@ -202,7 +202,7 @@ def calibration_prompts(source: str, count: int, after_distilled: int = 0, seed:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``calibrate`` subcommand's options."""
     parser.add_argument("--draft", default="default",
-                        help="'default' (the shipped draft) or a distilled draft export (.safetensors beside its .json).")
+                        help="'default' (the shipped draft) or a draft export (.safetensors beside its .json).")
     parser.add_argument("--prompts", default="train", help="'train', 'eval' or a JSONL prompt file (default train).")
     parser.add_argument("--after-distilled", type=int, default=0,
                         help="Skip the first N prompts of distill's generation order: the ones the draft learnt from.")

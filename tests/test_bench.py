@@ -41,7 +41,8 @@ def test_every_method_runs_and_matches_greedy_generate(tmp_path):
 
     report = {
         "environment": {
-            "command": "test", "arguments": {"max_new_tokens": 12, "max_depth": 4, "max_branch": 3}, "machine": {"cpu": "cpu", "torch_threads": 1},
+            "command": "test", "arguments": {"max_new_tokens": 12, "max_depth": 4, "max_branch": 3},
+            "machine": {"cpu": "cpu", "torch_threads": 1},
             "versions": {"torch": "t", "transformers": "t"},
         },
         "models": {
