@@ -305,13 +305,13 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
         draft = truncated_draft(target, int(args.draft.removeprefix("truncated:")))
         draft_info = {"name": f"stand-in: the target's first {draft.config.num_hidden_layers} layers"}
     else:
-        weights = models.DRAFT_WEIGHTS_PATH if args.draft == "default" else Path(args.draft)
+        weights = models.draft_export_path(args.draft)
         target, draft, tokenizer = load_distilled_pair(weights)
         meta = json.loads(weights.with_suffix(".json").read_text())
         draft_info = {
             "name": f"distilled SmolLM2 draft ({weights})",
             "meta": {k: meta.get(k) for k in ("num_hidden_layers", "training", "val_kl", "agreement",
-                                               models.GREEDY_TEMPERATURE_KEY)},
+                                               GREEDY_TEMPERATURE_KEY)},
         }
     info = {
         "target": {"name": "SmolLM2-135M-Instruct", "parameters": _parameters(target), "offload": args.offload},

@@ -18,7 +18,6 @@ import math
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,14 +104,21 @@ def fit_temperature(draft_logits: torch.Tensor, labels: torch.Tensor) -> Tempera
     def loss(log_inverse: float) -> float:
         return _mean_cross_entropy(draft_logits, labels, math.exp(log_inverse))
 
+    # Golden-section search: the surviving interior point becomes the next step's other one (golden**2 ==
+    # 1 - golden), so each step evaluates the loss, a pass over every position's logits, once.
     low, high = (math.log(bound) for bound in _SEARCH_BOUNDS)
     golden = (math.sqrt(5) - 1) / 2
+    left, right = high - golden * (high - low), low + golden * (high - low)
+    loss_left, loss_right = loss(left), loss(right)
     for _ in range(_SEARCH_STEPS):
-        left, right = high - golden * (high - low), low + golden * (high - low)
-        if loss(left) <= loss(right):
-            high = right
+        if loss_left <= loss_right:
+            high, right, loss_right = right, left, loss_left
+            left = high - golden * (high - low)
+            loss_left = loss(left)
         else:
-            low = left
+            low, left, loss_left = left, right, loss_right
+            right = low + golden * (high - low)
+            loss_right = loss(right)
     best = (low + high) / 2
     return TemperatureFit(math.exp(-best), labels.numel(), loss(best), loss(0.0))
 
@@ -216,16 +222,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Fits the draft's greedy temperature; prints the fit and, with ``--write``, stores it in the export's JSON."""
     from . import models
+    from .distill import encode_chats
 
     torch.set_num_threads(args.threads)
-    weights = models.DRAFT_WEIGHTS_PATH if args.draft == "default" else Path(args.draft)
-    if not weights.is_file() or not weights.with_suffix(".json").is_file():
-        raise SystemExit(f"--draft {weights}: expected a .safetensors export beside its .json.")
+    weights = models.draft_export_path(args.draft)
     prompts = calibration_prompts(args.prompts, args.count, args.after_distilled, args.seed)
     target, tokenizer = models.load_default_target()
     draft = models.load_draft_export(target, weights)
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+    encoded = [torch.tensor(ids) for ids in encode_chats(tokenizer, prompts)]
     fit = calibrate_draft_temperature(target, draft, encoded, args.max_new_tokens)
     record = {**fit.as_dict(), "prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
               "count": args.count, "max_new_tokens": args.max_new_tokens}

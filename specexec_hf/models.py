@@ -282,6 +282,18 @@ def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str,
     return meta, weights
 
 
+def draft_export_path(name: str) -> Path:
+    """The export a ``--draft`` option names: ``"default"`` (the shipped draft) or a ``.safetensors`` path.
+
+    Raises:
+        FileNotFoundError: The file or the ``.json`` beside it is missing.
+    """
+    weights = DRAFT_WEIGHTS_PATH if name == "default" else Path(name)
+    if not weights.is_file() or not weights.with_suffix(".json").is_file():
+        raise FileNotFoundError(f"--draft {weights}: expected a .safetensors draft export beside its .json.")
+    return weights
+
+
 def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrainedModel:
     """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype."""
     meta, own_weights = read_draft_export(weights_path, target.get_input_embeddings().weight.dtype)
