@@ -28,7 +28,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from .autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
 from .baselines import SequoiaSearch, SpecInferSearch, measure_acceptance
@@ -215,28 +215,43 @@ class Bench:
             "output": output[0, prompt.shape[1] :].tolist(),
         }
 
-    def measure(self, run: Run, progress: Callable[[], None]) -> dict[str, Any]:
-        """All prompts of ``run``: per-prompt records and their summary."""
+    def measure(self, runs: Sequence[Run], progress: Callable[[], None]) -> Iterator[list[dict[str, Any]]]:
+        """Every run on every prompt, prompt by prompt; yields all runs' results so far after each prompt.
+
+        The runs take turns on each prompt, so a slow spell of a shared machine (other jobs, clock changes)
+        slows every method alike instead of whichever happened to be running: tokens/s stay comparable.
+        """
         # Assisted generation reads its settings from the draft's own generation_config (not from generate()'s
-        # arguments) and may adapt them across calls: every run gets a fresh copy.
-        original = self.draft.generation_config
-        self.draft.generation_config = copy.deepcopy(original)
+        # arguments) and may adapt them across calls: every run keeps its own copy across its prompts.
+        configs = {run: self._assistant_config(run) for run in runs}
+        records: dict[Run, list[dict[str, Any]]] = {run: [] for run in runs}
+        peaks = dict.fromkeys(runs, 0)
+        for index in range(len(self.prompts)):
+            for run in runs:
+                original, self.draft.generation_config = self.draft.generation_config, configs[run]
+                try:
+                    with peak_rss() as memory:
+                        records[run].append(self.generate(run, index))
+                finally:
+                    self.draft.generation_config = original
+                peaks[run] = max(peaks[run], memory["peak_rss_bytes"])
+                progress()
+            yield [
+                {**asdict(run), "label": run.label, **summarize(records[run]), "peak_rss_bytes": peaks[run],
+                 "records": list(records[run])}
+                for run in runs
+            ]
+
+    def _assistant_config(self, run: Run) -> GenerationConfig:
+        config = copy.deepcopy(self.draft.generation_config)
         if run.assistant_tokens is not None:
             # Classic speculative decoding: always N draft tokens, no early stop on low draft confidence.
-            self.draft.generation_config.update(
+            config.update(
                 num_assistant_tokens=run.assistant_tokens,
                 num_assistant_tokens_schedule="constant",
                 assistant_confidence_threshold=0.0,
             )
-        try:
-            with peak_rss() as memory:
-                records = []
-                for index in range(len(self.prompts)):
-                    records.append(self.generate(run, index))
-                    progress()
-        finally:
-            self.draft.generation_config = original
-        return {**asdict(run), "label": run.label, **summarize(records), **memory, "records": records}
+        return config
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -257,6 +272,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "host_share": host / total["seconds"],
         "mean_tree_size": statistics.fmean(sizes) if sizes else None,
     }
+
+
+def mark_greedy_matches(results: list[dict[str, Any]]) -> None:
+    """Sets ``matches_autoregressive`` on every greedy result: are its outputs plain greedy ``generate()``'s?"""
+    reference = next((r for r in results if r["method"] == "autoregressive" and r["temperature"] == 0), None)
+    if reference is None:
+        return
+    for result in results:
+        if result["temperature"] == 0 and result is not reference:
+            result["matches_autoregressive"] = [r["output"] for r in result["records"]] == [
+                r["output"] for r in reference["records"]
+            ]
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -436,7 +463,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"{env['versions']['torch']}, transformers {env['versions']['transformers']}.",
         "",
         "Tokens per target forward: pooled over prompts (p10-p90 across prompts). Shares are of wall time; host "
-        "is everything but model forwards. Speed-up is tokens/s over autoregressive at the same temperature.",
+        "is everything but model forwards. Speed-up is tokens/s over autoregressive at the same temperature. "
+        "Methods take turns on each prompt, so a slow spell of the machine slows them alike.",
     ]
     tree = env["arguments"]
     greedy_fit = (report["models"]["draft"].get("meta") or {}).get(GREEDY_TEMPERATURE_KEY)
@@ -610,19 +638,12 @@ def run(args: argparse.Namespace) -> int:
         write_markdown(report, args.out / "bench.md")
         return report
 
-    # Results are written after every run, so an interrupted grid still leaves what it measured.
+    # Results are written after every prompt, so an interrupted grid still leaves what it measured.
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: list[dict[str, Any]] = []
     with tqdm(total=len(runs) * len(bench.prompts), desc="bench", unit="generation", file=sys.stderr) as bar:
-        for r in runs:
-            bar.set_postfix_str(f"{r.label} t={r.temperature:g}")
-            result = bench.measure(r, bar.update)
-            reference = next((x for x in results if x["method"] == "autoregressive" and x["temperature"] == 0), None)
-            if reference and r.temperature == 0:
-                result["matches_autoregressive"] = all(
-                    a["output"] == b["output"] for a, b in zip(result["records"], reference["records"])
-                )
-            results.append(result)
+        for results in bench.measure(runs, bar.update):
+            mark_greedy_matches(results)
             write(results, complete=False)
     report = write(results, complete=True)
     plots = write_plots(report, args.out)
@@ -630,9 +651,3 @@ def run(args: argparse.Namespace) -> int:
     print("wrote", ", ".join(str(p) for p in [args.out / "bench.json", args.out / "bench.md", *plots]), file=sys.stderr)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specexec-hf bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

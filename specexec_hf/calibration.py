@@ -242,9 +242,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {models.GREEDY_TEMPERATURE_KEY} to {meta_path}", file=sys.stderr)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specexec-hf calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

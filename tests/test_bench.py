@@ -9,7 +9,9 @@ import torch
 from conftest import perturbed_copy, tiny_model
 
 from specexec_hf import autobudget
-from specexec_hf.bench import Bench, Run, add_arguments, goals, plan, summarize, write_markdown
+from specexec_hf.bench import (
+    Bench, Run, add_arguments, goals, mark_greedy_matches, plan, summarize, write_markdown,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +30,13 @@ def test_every_method_runs_and_matches_greedy_generate(tmp_path):
         Run("specinfer", 0.0, budget=8), Run("sequoia", 0.0, budget=8), Run("specexec", 0.0, budget=8),
         Run("specexec_auto", 0.0, budget="auto"),
     ]
-    results = [bench.measure(run, lambda: None) for run in runs]
+    original_config = draft.generation_config
+    rounds = list(bench.measure(runs, lambda: None))
+    assert draft.generation_config is original_config  # each run's assisted settings stay its own
+    assert [[len(result["records"]) for result in results] for results in rounds] == [[1] * len(runs), [2] * len(runs)]
+    results = rounds[-1]
+    mark_greedy_matches(results)
+    assert [result.get("matches_autoregressive") for result in results] == [None] + [True] * (len(runs) - 1)
     reference = [record["output"] for record in results[0]["records"]]
     for result in results:
         assert [record["output"] for record in result["records"]] == reference, result["label"]

@@ -1,0 +1,92 @@
+"""Tokens per target forward vs the draft temperature that ranks greedy SpecExec trees.
+
+Checks the calibrated greedy temperature (``specexec-hf calibrate``) against neighbouring ones by what it is
+for: tokens per target forward. The prompts are training prompts that neither the shipped draft's distillation
+(the first 1,536 of its order) nor its temperature fit (among the next 128) used, and not the benchmark's eval
+prompts. Greedy outputs must be the same at every temperature (only the tree changes); the script fails otherwise.
+Writes JSON and Markdown to benchmarks/results/.
+
+Run: .venv/bin/python benchmarks/draft_temperature.py [--prompts 16] [--temperatures 0.6 0.85 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+from specexec_hf import SpecExecStats, models
+from specexec_hf.calibration import calibration_prompts, greedy_draft_temperature
+from specexec_hf.distill import encode_chats
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# The shipped draft was distilled on the first 1,536 training prompts of distill's order and its temperature fit
+# on the next 48; calibration studies used up to 128 of those: skip them all.
+USED_PROMPTS = 1536 + 128
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=USED_PROMPTS,
+                        help="Training prompts (in distill's order) to skip: those the draft and its fit used.")
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 0.85, 1.0],
+                        help="Compared with the draft's calibrated temperature, which always runs.")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "draft_temperature")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tokenizer = models.load_default_target()
+    draft = models.load_draft_export(target, models.draft_export_path("default"))
+    calibrated = greedy_draft_temperature(draft)
+    prompts = [torch.tensor([ids]) for ids in
+               encode_chats(tokenizer, calibration_prompts("train", args.prompts, after_distilled=args.skip))]
+    rows, reference = [], None
+    for temperature in sorted({calibrated, *args.temperatures}):
+        outputs, tokens, forwards = [], 0, 0
+        for ids in prompts:
+            stats = SpecExecStats()
+            output = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                     do_sample=False, assistant_model=draft, speculator="specexec",
+                                     budget=args.budget, draft_temperature=temperature, specexec_stats=stats)
+            outputs.append(output[0, ids.shape[1]:].tolist())
+            tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards
+        reference = reference or outputs
+        if outputs != reference:
+            raise SystemExit(f"greedy outputs changed with the draft temperature ({temperature}): a bug")
+        rows.append({"temperature": temperature, "calibrated": temperature == calibrated, "new_tokens": tokens,
+                     "target_forwards": forwards, "tokens_per_target_forward": tokens / forwards})
+        print(json.dumps(rows[-1]), flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "benchmarks/draft_temperature.py " + " ".join(
+        f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        for key, value in vars(args).items() if key != "out"
+    )
+    report = {"command": command, "rows": rows, "prompts": args.prompts, "skip": args.skip,
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+              "machine": platform.processor() or platform.machine()}
+    (args.out / "draft_temperature.json").write_text(json.dumps(report, indent=1))
+    lines = [
+        "# Greedy SpecExec: tokens per target forward vs draft temperature", "", f"`{command}`", "",
+        f"{args.prompts} training prompts after the first {args.skip} of distill's order, {args.max_new_tokens} "
+        f"new tokens each, budget {args.budget}, default tree knobs. Greedy outputs identical at every temperature.",
+        "", "| draft temperature | tokens / target fwd | target fwd |", "|---|---|---|",
+    ]
+    for row in rows:
+        mark = " (calibrated)" if row["calibrated"] else ""
+        lines.append(f"| {row['temperature']:.3f}{mark} | {row['tokens_per_target_forward']:.2f} | "
+                     f"{row['target_forwards']} |")
+    (args.out / "draft_temperature.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
