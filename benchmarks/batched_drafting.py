@@ -22,7 +22,7 @@ import transformers
 
 import specexec_hf
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
-from specexec_hf.prompts import load_prompts
+from specexec_hf.prompts import chat_inputs, load_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,12 +65,7 @@ def main() -> None:
     _, draft, tokenizer = specexec_hf.load_default_pair()
     config = SpecExecConfig(budget=args.budget, max_depth=args.max_depth)
     prompts = load_prompts("eval")
-    encoded = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-        for prompt in prompts[: max(args.requests)]
-    ]
+    encoded = [chat_inputs(tokenizer, prompt)["input_ids"] for prompt in prompts[: max(args.requests)]]
     rows = []
     with torch.inference_mode():
         simulate(draft, encoded[:1], config, 1, args.accept)  # warm-up

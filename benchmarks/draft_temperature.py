@@ -21,7 +21,7 @@ import transformers
 
 from specexec_hf import SpecExecStats, models
 from specexec_hf.calibration import calibration_prompts, greedy_draft_temperature
-from specexec_hf.distill import encode_chats
+from specexec_hf.prompts import encode_chats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The shipped draft was distilled on the first 1,536 training prompts of distill's order and its temperature fit

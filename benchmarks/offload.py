@@ -28,7 +28,7 @@ import transformers
 import specexec_hf
 from specexec_hf.models import target_cache_dir
 from specexec_hf.offload import load_offloaded
-from specexec_hf.prompts import load_prompts
+from specexec_hf.prompts import chat_inputs, load_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EXECUTORS = ("accelerate", "stream")
@@ -137,12 +137,7 @@ def generation_rows(models: dict, draft, tokenizer, args) -> list[dict]:
     """One row per prompt, executor and method, each output compared with the in-memory target's greedy one."""
     reference, _ = specexec_hf.load_default_target()
     compared = methods(draft, args)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        for prompt in load_prompts("eval")[: args.prompts]
-    ]
+    prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     timed_generate(reference, prompts[0], 4, {})  # warm-ups: lazy initialisations, first-touch page faults
     for model in models.values():
         for kwargs in compared.values():

@@ -18,6 +18,7 @@ import torch
 
 import specexec_hf
 from specexec_hf.bench import ForwardMeter, pick_prompts, truncated_draft
+from specexec_hf.prompts import chat_inputs
 
 
 def main() -> None:
@@ -35,11 +36,7 @@ def main() -> None:
     else:
         target, tokenizer = specexec_hf.load_default_target()
         draft = truncated_draft(target, int(args.draft.removeprefix("truncated:")))
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
-        for p in pick_prompts(args.prompts)
-    ]
+    prompts = [chat_inputs(tokenizer, prompt) for prompt in pick_prompts(args.prompts)]
     kwargs = dict(do_sample=False, assistant_model=draft, speculator="specexec", budget=args.budget)
     target.generate(**prompts[0], max_new_tokens=4, **kwargs)  # warm-up
 

@@ -20,7 +20,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specexec_hf
-from specexec_hf.prompts import load_prompts
+from specexec_hf.prompts import chat_inputs, load_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,9 +52,7 @@ def main() -> None:
     drafts = {"draft == target": target, "random 2-layer draft": random_draft(target)}
     rows = []
     for prompt in load_prompts("eval")[: args.prompts]:
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        inputs = chat_inputs(tokenizer, prompt)
         expected = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
         for name, draft in drafts.items():
             for budget in args.budgets:

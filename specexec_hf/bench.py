@@ -42,6 +42,7 @@ from .autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budget
 from .baselines import SequoiaSearch, SpecInferSearch, measure_acceptance
 from .config import SpecExecConfig
 from .models import GREEDY_TEMPERATURE_KEY
+from .prompts import chat_inputs, load_prompts
 from .search import grow_tree
 from .stats import SpecExecStats
 
@@ -314,8 +315,6 @@ def plan(args: argparse.Namespace) -> list[Run]:
 
 def pick_prompts(count: int, skip: int = 0) -> list[str]:
     """``count`` eval prompts spread evenly over the file (it is grouped by category), starting at ``skip``."""
-    from .prompts import load_prompts
-
     prompts = load_prompts("eval")
     if count > len(prompts):
         raise SystemExit(f"--prompts {count} exceeds the {len(prompts)} eval prompts.")
@@ -598,8 +597,7 @@ def run(args: argparse.Namespace) -> int:
     target, draft, tokenizer, models_info = load_models(args)
 
     def encode(text: str) -> torch.Tensor:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
+        return chat_inputs(tokenizer, text)["input_ids"]
 
     prompt_texts = pick_prompts(args.prompts)
     tree = SpecExecConfig(max_depth=args.max_depth, max_branch=args.max_branch)

@@ -222,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Fits the draft's greedy temperature; prints the fit and, with ``--write``, stores it in the export's JSON."""
     from . import models
-    from .distill import encode_chats
+    from .prompts import encode_chats
 
     torch.set_num_threads(args.threads)
     weights = models.draft_export_path(args.draft)

