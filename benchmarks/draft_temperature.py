@@ -1,12 +1,14 @@
-"""Tokens per target forward vs the draft temperature that ranks greedy SpecExec trees.
+"""Tokens per target forward vs how greedy SpecExec trees are ranked: the draft temperature, and context matching.
 
 Checks the calibrated greedy temperature (``specexec-hf calibrate``) against neighbouring ones by what it is
-for: tokens per target forward. The prompts are training prompts that neither the shipped draft's distillation
-(the first 1,536 of its order) nor its temperature fit (among the next 128) used, and not the benchmark's eval
-prompts. Greedy outputs must be the same at every temperature (only the tree changes); the script fails otherwise.
+for: tokens per target forward, with the draft's probabilities alone; ``--context-match`` adds a row at the
+calibrated temperature with the draft's calibrated context-match weights (:mod:`specexec_hf.context_match`).
+The prompts are training prompts that neither the shipped draft's distillation (the first 1,536 of its order)
+nor its fits (among the next 128) used, and not the benchmark's eval prompts. Greedy outputs must be the same in
+every row (only the tree changes); the script fails otherwise.
 Writes JSON and Markdown to benchmarks/results/.
 
-Run: .venv/bin/python benchmarks/draft_temperature.py [--prompts 16] [--temperatures 0.6 0.85 1.0]
+Run: .venv/bin/python benchmarks/draft_temperature.py [--prompts 16] [--temperatures 0.6 0.85 1.0] [--context-match]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import transformers
 
 from specexec_hf import SpecExecStats, models
-from specexec_hf.calibration import calibration_prompts, greedy_draft_temperature
+from specexec_hf.calibration import calibrated_context_match_weights, calibration_prompts, greedy_draft_temperature
 from specexec_hf.prompts import encode_chats
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,6 +41,8 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 0.85, 1.0],
                         help="Compared with the draft's calibrated temperature, which always runs.")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context-match", action="store_true",
+                        help="Also rank at the calibrated temperature with the draft's calibrated context matching.")
     parser.add_argument("--out", type=Path, default=RESULTS / "draft_temperature")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -46,29 +50,40 @@ def main() -> None:
     target, tokenizer = models.load_default_target()
     draft = models.load_draft_export(target, models.draft_export_path("default"))
     calibrated = greedy_draft_temperature(draft)
+    weights = calibrated_context_match_weights(draft)
+    if args.context_match and not weights:
+        raise SystemExit("--context-match: the draft has no calibrated context-match weights (specexec-hf calibrate).")
+    variants = [(temperature, ()) for temperature in sorted({calibrated, *args.temperatures})]
+    variants += [(calibrated, weights)] if args.context_match else []
     prompts = [torch.tensor([ids]) for ids in
                encode_chats(tokenizer, calibration_prompts("train", args.prompts, after_distilled=args.skip))]
     rows, reference = [], None
-    for temperature in sorted({calibrated, *args.temperatures}):
+    for temperature, context_match_weights in variants:
         outputs, tokens, forwards = [], 0, 0
         for ids in prompts:
             stats = SpecExecStats()
             output = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                                      do_sample=False, assistant_model=draft, speculator="specexec",
-                                     budget=args.budget, draft_temperature=temperature, specexec_stats=stats)
+                                     budget=args.budget, draft_temperature=temperature, specexec_stats=stats,
+                                     context_match_weights=context_match_weights)
             outputs.append(output[0, ids.shape[1]:].tolist())
             tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards
         reference = reference or outputs
         if outputs != reference:
-            raise SystemExit(f"greedy outputs changed with the draft temperature ({temperature}): a bug")
-        rows.append({"temperature": temperature, "calibrated": temperature == calibrated, "new_tokens": tokens,
+            raise SystemExit(f"greedy outputs changed with the tree's ranking (T {temperature}, context matching "
+                             f"{context_match_weights}): a bug")
+        rows.append({"temperature": temperature, "calibrated": temperature == calibrated,
+                     "context_match_weights": list(context_match_weights), "new_tokens": tokens,
                      "target_forwards": forwards, "tokens_per_target_forward": tokens / forwards})
         print(json.dumps(rows[-1]), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    def option(key: str, value: object) -> str:
+        shown = "" if value is True else " " + (" ".join(map(str, value)) if isinstance(value, list) else str(value))
+        return f"--{key.replace('_', '-')}{shown}"
+
     command = "benchmarks/draft_temperature.py " + " ".join(
-        f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-        for key, value in vars(args).items() if key != "out"
+        option(key, value) for key, value in vars(args).items() if key != "out" and value is not False
     )
     report = {"command": command, "rows": rows, "prompts": args.prompts, "skip": args.skip,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -77,12 +92,13 @@ def main() -> None:
     lines = [
         "# Greedy SpecExec: tokens per target forward vs draft temperature", "", f"`{command}`", "",
         f"{args.prompts} training prompts after the first {args.skip} of distill's order, {args.max_new_tokens} "
-        f"new tokens each, budget {args.budget}, default tree knobs. Greedy outputs identical at every temperature.",
-        "", "| draft temperature | tokens / target fwd | target fwd |", "|---|---|---|",
+        f"new tokens each, budget {args.budget}, default tree knobs. Greedy outputs identical in every row.",
+        "", "| draft temperature | context matching | tokens / target fwd | target fwd |", "|---|---|---|---|",
     ]
     for row in rows:
         mark = " (calibrated)" if row["calibrated"] else ""
-        lines.append(f"| {row['temperature']:.3f}{mark} | {row['tokens_per_target_forward']:.2f} | "
+        matching = ", ".join(map(str, row["context_match_weights"])) or "off"
+        lines.append(f"| {row['temperature']:.3f}{mark} | {matching} | {row['tokens_per_target_forward']:.2f} | "
                      f"{row['target_forwards']} |")
     (args.out / "draft_temperature.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -265,7 +265,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--executors", nargs="+", choices=EXECUTORS, default=list(EXECUTORS))
-    parser.add_argument("--draft", default="distilled", help="'distilled', 'file:PATH', 'target' (oracle) or 'truncated:N'")
+    parser.add_argument("--draft", default="distilled",
+                        help="'distilled', 'file:PATH', 'target' (oracle) or 'truncated:N'")
     parser.add_argument("--name", default="offload", help="results file stem")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -82,7 +82,8 @@ def main() -> None:
         entry["tokens_per_target_forward"] = entry["new_tokens"] / entry["target_forwards"]
     RESULTS.mkdir(exist_ok=True)
     report = {
-        "command": "benchmarks/tokens_per_forward.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": "benchmarks/tokens_per_forward.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "machine": platform.platform(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "summary": summary,

@@ -139,9 +139,11 @@ def _parse_knob(name: str, annotation: str, value: Any) -> Any:
     if value.strip().lower() in ("", "none"):
         return None
     try:
+        if "tuple" in annotation:  # comma-separated, e.g. context_match_weights "0.1,0.5"
+            return tuple(float(part) for part in value.split(",") if part.strip())
         return float(value) if "float" in annotation else int(value)
     except ValueError as error:
-        raise ValueError(f"SpecExec setting {name}={value!r} is not a number.") from error
+        raise ValueError(f"SpecExec setting {name}={value!r} is not a number (or comma-separated numbers).") from error
 
 
 def sampled_verification_works(device: torch.device) -> bool:
@@ -305,7 +307,11 @@ class SpecExecProposer:
             temperature = self.settings.specexec.draft_temperature
             if temperature is None:
                 temperature = request_temperature if request_temperature > 0 else GREEDY_DRAFT_TEMPERATURE
-            self.generators[req_id] = SpecExecCandidateGenerator(self.draft, self.settings.specexec, temperature)
+            # Context matching only when asked for: the draft's calibrated weights were fitted for tree verification.
+            weights = self.settings.specexec.context_match_weights or ()
+            self.generators[req_id] = SpecExecCandidateGenerator(
+                self.draft, self.settings.specexec, temperature, context_match_weights=weights
+            )
         return self.generators[req_id]
 
     def _forget_missing(self, req_ids: list[str]) -> None:

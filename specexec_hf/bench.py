@@ -8,11 +8,13 @@ Every method runs the same target and draft over the same held-out chat prompts:
   ``--assistant-tokens`` value; the goals compare against the best of them;
 - ``specinfer``: a SpecInfer-style tree (k draft beams merged at the root) at each budget;
 - ``sequoia``: a Sequoia-style static tree for the per-rank acceptance vector measured on calibration prompts;
-- ``specexec``: SpecExec's best-first tree at each budget, and ``specexec_auto`` with ``budget="auto"``.
+- ``specexec``: SpecExec's best-first tree at each budget, and ``specexec_auto`` with ``budget="auto"``;
+- ``specexec_draft_only``: SpecExec with context matching off (trees ranked by the draft alone), the ablation.
 
 The tree baselines go through SpecExec's own drafting and verification (``tree_search=``), so they differ from
-SpecExec only in the tree they grow. Forward counts and times come from hooks on both models; host time is
-everything else. At temperature 0 every method's output is checked against plain greedy ``generate()``.
+SpecExec only in the tree they grow (context matching included, when the draft is calibrated for it). Forward
+counts and times come from hooks on both models; host time is everything else. At temperature 0 every method's
+output is checked against plain greedy ``generate()``.
 Writes ``bench.json`` (machine, versions, command, per-prompt records), ``bench.md`` and two PNG plots.
 """
 
@@ -41,12 +43,13 @@ from transformers import GenerationConfig, PreTrainedModel
 from .autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
 from .baselines import SequoiaSearch, SpecInferSearch, measure_acceptance
 from .config import SpecExecConfig
-from .models import GREEDY_TEMPERATURE_KEY
+from .models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from .prompts import chat_inputs, load_prompts
 from .search import grow_tree
 from .stats import SpecExecStats
 
-METHODS = ("autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto")
+METHODS = ("autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto", "specexec_draft_only")
+TREE_METHODS = ("specexec", "specexec_draft_only", "specinfer", "sequoia")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
 DEFAULT_RESULTS = Path("benchmarks") / "results"
@@ -179,14 +182,18 @@ class Bench:
             "sequoia": lambda: SequoiaSearch(self.acceptance[run.temperature]),
             "specexec": lambda: grow_tree,
             "specexec_auto": lambda: grow_tree,
+            "specexec_draft_only": lambda: grow_tree,
         }
-        return {
+        kwargs = {
             "assistant_model": self.draft,
             "speculator": "specexec",
             "specexec_config": self.tree,
             "budget": run.budget,
             "tree_search": searches[run.method](),
         }
+        if run.method == "specexec_draft_only":
+            kwargs["context_match_weights"] = ()
+        return kwargs
 
     def generate(self, run: Run, index: int) -> dict[str, Any]:
         """Runs ``run`` on prompt ``index``; returns its record (tokens, forwards, times, output ids)."""
@@ -337,7 +344,7 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
         draft_info = {
             "name": f"distilled SmolLM2 draft ({weights})",
             "meta": {k: meta.get(k) for k in ("num_hidden_layers", "training", "val_kl", "agreement",
-                                               GREEDY_TEMPERATURE_KEY)},
+                                               GREEDY_TEMPERATURE_KEY, CONTEXT_MATCH_KEY)},
         }
     info = {
         "target": {"name": "SmolLM2-135M-Instruct", "parameters": _parameters(target), "offload": args.offload},
@@ -466,11 +473,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         "Methods take turns on each prompt, so a slow spell of the machine slows them alike.",
     ]
     tree = env["arguments"]
-    greedy_fit = (report["models"]["draft"].get("meta") or {}).get(GREEDY_TEMPERATURE_KEY)
+    meta = report["models"]["draft"].get("meta") or {}
+    greedy_fit, match_fit = meta.get(GREEDY_TEMPERATURE_KEY), meta.get(CONTEXT_MATCH_KEY)
     lines += [
         "", f"Trees: max_depth {tree['max_depth']}, max_branch {tree['max_branch']}. Greedy SpecExec ranks its tree "
         + (f"at the draft's calibrated temperature {greedy_fit['temperature']:.3f} (fit on {greedy_fit['count']} "
-           f"'{greedy_fit['prompts']}' prompts)." if greedy_fit else "at draft temperature 1."),
+           f"'{greedy_fit['prompts']}' prompts)" if greedy_fit else "at draft temperature 1")
+        + (f", mixed with context-match guesses (weights {', '.join(map(str, match_fit['weights']))} for matches of "
+           f"1 ... {len(match_fit['weights'])} tokens; every greedy tree method but specexec_draft_only)."
+           if match_fit else "."),
     ]
     if not report["complete"]:
         lines += ["", "**Incomplete: the grid is still running or was interrupted; these are the finished runs.**"]
@@ -530,7 +541,7 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[Path]:
         figure, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.5), squeeze=False)
         for axis, temperature in zip(axes[0], temperatures):
             rows = [r for r in report["results"] if r["temperature"] == temperature]
-            for method in ("specexec", "specinfer", "sequoia"):
+            for method in TREE_METHODS:
                 points = sorted((r["budget"], r[key]) for r in rows if r["method"] == method)
                 if points:
                     axis.plot(*zip(*points), marker="o", label=method)
@@ -565,7 +576,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=list(DEFAULT_BUDGETS),
                         help="SpecExec budgets (default 16 ... 1024).")
     parser.add_argument("--tree-budgets", type=int, nargs="+",
-                        help="Budgets for the SpecInfer and Sequoia trees (default: --budgets).")
+                        help="Budgets for SpecInfer, Sequoia and specexec_draft_only (default: --budgets).")
     defaults = SpecExecConfig()
     parser.add_argument("--max-depth", type=int, default=defaults.max_depth,
                         help=f"Deepest tree level of every tree method (default {defaults.max_depth}).")

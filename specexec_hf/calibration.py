@@ -7,7 +7,8 @@ flatter than "which token wins": its probabilities are miscalibrated for that qu
 most of it. :func:`fit_greedy_temperature` picks the ``T`` whose ``softmax(draft_logits / T)`` best predicts the
 target's greedy tokens (lowest cross-entropy), and :func:`calibrate_draft_temperature` stores it on the draft,
 where greedy ``generate()`` calls find it (an explicit ``draft_temperature=`` still wins). The tree's shape is
-all it changes: outputs stay exactly the target's.
+all it changes: outputs stay exactly the target's. :func:`fit_greedy_context_match` fits, on the same answers,
+the weights of context matching's guesses (:mod:`specexec_hf.context_match`) at that temperature.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from .context_match import ContextIndex
+
 GREEDY_TEMPERATURE_ATTRIBUTE = "specexec_greedy_temperature"
 """Attribute of a draft's ``config`` holding its calibrated greedy draft temperature (saved with the config)."""
+CONTEXT_MATCH_ATTRIBUTE = "specexec_context_match_weights"
+"""Attribute of a draft's ``config`` holding its calibrated context-match weights (greedy decoding)."""
+DEFAULT_CONTEXT_MATCH_ORDERS = 6
 
 _SEARCH_BOUNDS = (0.05, 20.0)  # inverse temperatures searched, so temperatures 20 down to 0.05
 _SEARCH_STEPS = 60
@@ -50,10 +56,38 @@ class TemperatureFit:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ContextMatchFit:
+    """Result of :func:`fit_context_match_weights`.
+
+    Args:
+        weights: ``weights[k - 1]``: the fitted guess weight for a longest match of ``k`` tokens.
+        positions: Positions per match length that the fit used.
+        cross_entropy: Mean cross-entropy of the labels with the weights, over the fit's positions whose label the
+            draft can propose (nats).
+        cross_entropy_without: The same with the draft alone.
+        rescued_positions: Fit positions whose label only the guesses can propose (outside a restricted head).
+    """
+
+    weights: tuple[float, ...]
+    positions: tuple[int, ...]
+    cross_entropy: float
+    cross_entropy_without: float
+    rescued_positions: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def greedy_draft_temperature(draft: PreTrainedModel) -> float:
     """The temperature greedy decoding ranks ``draft``'s trees with: its calibrated one, else 1."""
     calibrated = getattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, None)
     return 1.0 if calibrated is None else float(calibrated)
+
+
+def calibrated_context_match_weights(draft: PreTrainedModel) -> tuple[float, ...]:
+    """The context-match weights greedy decoding uses with ``draft``: its calibrated ones, else none."""
+    return tuple(getattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, None) or ())
 
 
 @torch.inference_mode()
@@ -104,9 +138,14 @@ def fit_temperature(draft_logits: torch.Tensor, labels: torch.Tensor) -> Tempera
     def loss(log_inverse: float) -> float:
         return _mean_cross_entropy(draft_logits, labels, math.exp(log_inverse))
 
-    # Golden-section search: the surviving interior point becomes the next step's other one (golden**2 ==
-    # 1 - golden), so each step evaluates the loss, a pass over every position's logits, once.
-    low, high = (math.log(bound) for bound in _SEARCH_BOUNDS)
+    best = _minimize_convex(loss, *(math.log(bound) for bound in _SEARCH_BOUNDS))
+    return TemperatureFit(math.exp(-best), labels.numel(), loss(best), loss(0.0))
+
+
+def _minimize_convex(loss: Callable[[float], float], low: float, high: float) -> float:
+    """Golden-section search for the minimiser of a convex ``loss`` on ``[low, high]``."""
+    # The surviving interior point becomes the next step's other one (golden**2 == 1 - golden), so each step
+    # evaluates the loss (a pass over every position) once.
     golden = (math.sqrt(5) - 1) / 2
     left, right = high - golden * (high - low), low + golden * (high - low)
     loss_left, loss_right = loss(left), loss(right)
@@ -119,8 +158,82 @@ def fit_temperature(draft_logits: torch.Tensor, labels: torch.Tensor) -> Tempera
             low, left, loss_left = left, right, loss_right
             right = low + golden * (high - low)
             loss_right = loss(right)
-    best = (low + high) / 2
-    return TemperatureFit(math.exp(-best), labels.numel(), loss(best), loss(0.0))
+    return (low + high) / 2
+
+
+def fit_context_match_weights(
+    draft_probs: torch.Tensor, guess_probs: torch.Tensor, orders: torch.Tensor, max_order: int
+) -> ContextMatchFit:
+    """Per match length ``k``, the weight ``w`` minimising the cross-entropy of ``(1 - w) p + w q`` there.
+
+    Each position belongs to one match length, so the weights fit separately; each loss is convex in its weight
+    (minus the log of a function linear in it), so a golden-section search finds it in ``[0, 0.999]``.
+
+    Args:
+        draft_probs: ``[positions]`` the draft's probability of the label (0 when it cannot propose it).
+        guess_probs: ``[positions]`` the label's share of the matched n-gram's followers (0 when none).
+        orders: ``[positions]`` longest match length (0: no match; such positions are left out).
+        max_order: Longest match length searched.
+    """
+    usable = (orders > 0) & ((draft_probs > 0) | (guess_probs > 0))  # others are lost whatever the weight
+    if not bool(usable.any()):
+        raise ValueError("No position with a context match to fit on: pass prompts with longer answers.")
+
+    def cross_entropy(weight: float, p: torch.Tensor, q: torch.Tensor) -> float:
+        return float(-torch.log((1 - weight) * p + weight * q).mean())
+
+    weights, counts = [], []
+    for order in range(1, max_order + 1):
+        here = usable & (orders == order)
+        p, q = draft_probs[here].double(), guess_probs[here].double()
+        counts.append(int(here.sum()))
+        # With positions the draft cannot propose the draft alone scores infinity: start the search above 0.
+        weights.append(round(_minimize_convex(lambda w: cross_entropy(w, p, q), 1e-6, 0.999), 4) if counts[-1] else 0.0)
+    proposable = usable & (draft_probs > 0)
+    p, q = draft_probs[proposable].double(), guess_probs[proposable].double()
+    mixed = torch.tensor([0.0, *weights], dtype=torch.float64)[orders[proposable]]
+    return ContextMatchFit(
+        tuple(weights), tuple(counts), float(-torch.log((1 - mixed) * p + mixed * q).mean()),
+        cross_entropy(0.0, p, q), int((usable & (draft_probs == 0)).sum()),
+    )
+
+
+@torch.inference_mode()
+def fit_greedy_context_match(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    temperature: float,
+    max_order: int = DEFAULT_CONTEXT_MATCH_ORDERS,
+) -> ContextMatchFit:
+    """Context-match weights that best predict the target's greedy tokens on ``sequences``, mixed into the draft's
+    probabilities at ``temperature`` (see :mod:`specexec_hf.context_match`).
+
+    Args:
+        target: The target model.
+        draft: The draft model.
+        sequences: ``[L]`` token ids, prompt then continuation (e.g. the target's greedy answers).
+        prompt_lengths: Prompt length of each sequence.
+        temperature: The draft temperature the tree is ranked at (e.g. the fitted greedy one).
+        max_order: Longest match length (one weight each).
+    """
+    draft_probs, guess_probs, orders = [], [], []
+    for sequence, prompt_length, (target_logits, draft_logits) in zip(
+        sequences, prompt_lengths, continuation_logits(target, draft, sequences, prompt_lengths)
+    ):
+        labels = target_logits.argmax(dim=-1)
+        draft_probs.append(torch.softmax(draft_logits / temperature, dim=-1).gather(-1, labels[:, None])[:, 0])
+        tokens, index = sequence.tolist(), ContextIndex(max_order)
+        for offset, label in enumerate(labels.tolist()):
+            context = tokens[: prompt_length + offset]
+            index.sync(context)
+            order, followers = index.longest_match(context)
+            orders.append(order)
+            guess_probs.append(followers.get(label, 0) / sum(followers.values()) if order else 0.0)
+    return fit_context_match_weights(
+        torch.cat(draft_probs).cpu(), torch.tensor(guess_probs), torch.tensor(orders), max_order
+    )
 
 
 def fit_greedy_temperature(
@@ -150,6 +263,22 @@ def fit_greedy_temperature(
 
 
 @torch.inference_mode()
+def greedy_answers(
+    target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The target's greedy answers to ``prompts`` (prompt then answer, ``[L]`` each) and the prompt lengths."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    sequences, lengths = [], []
+    for prompt in prompts:
+        ids = prompt.reshape(1, -1).to(target.device)
+        answer = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        sequences.append(answer[0])
+        lengths.append(ids.shape[1])
+    return sequences, lengths
+
+
 def calibrate_draft_temperature(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -167,16 +296,7 @@ def calibrate_draft_temperature(
         prompts: ``[1, L]`` (or ``[L]``) prompt ids, chat-formatted as in use.
         max_new_tokens: Length of each greedy answer.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-    sequences, lengths = [], []
-    for prompt in prompts:
-        ids = prompt.reshape(1, -1).to(target.device)
-        answer = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False)
-        sequences.append(answer[0])
-        lengths.append(ids.shape[1])
-    fit = fit_greedy_temperature(target, draft, sequences, lengths)
+    fit = fit_greedy_temperature(target, draft, *greedy_answers(target, prompts, max_new_tokens))
     setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, fit.temperature)
     return fit
 
@@ -216,11 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=48, help="Prompts to fit on (default 48).")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="Greedy answer length (default 64).")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads.")
-    parser.add_argument("--write", action="store_true", help="Store the fit in the export's JSON.")
+    parser.add_argument("--context-match-orders", type=int, default=DEFAULT_CONTEXT_MATCH_ORDERS,
+                        help="Longest context match to fit a guess weight for (default 6; 0: fit none).")
+    parser.add_argument("--write", action="store_true", help="Store the fits in the export's JSON.")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Fits the draft's greedy temperature; prints the fit and, with ``--write``, stores it in the export's JSON."""
+    """Fits the draft's greedy temperature and context-match weights; prints the fits and, with ``--write``,
+    stores them in the export's JSON."""
     from . import models
     from .prompts import encode_chats
 
@@ -229,16 +352,22 @@ def run(args: argparse.Namespace) -> int:
     prompts = calibration_prompts(args.prompts, args.count, args.after_distilled, args.seed)
     target, tokenizer = models.load_default_target()
     draft = models.load_draft_export(target, weights)
-    encoded = [torch.tensor(ids) for ids in encode_chats(tokenizer, prompts)]
-    fit = calibrate_draft_temperature(target, draft, encoded, args.max_new_tokens)
-    record = {**fit.as_dict(), "prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
+    answers = greedy_answers(target, [torch.tensor(ids) for ids in encode_chats(tokenizer, prompts)],
+                             args.max_new_tokens)
+    source = {"prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
               "count": args.count, "max_new_tokens": args.max_new_tokens}
-    print(json.dumps(record, indent=2))
+    temperature = fit_greedy_temperature(target, draft, *answers)
+    records = {models.GREEDY_TEMPERATURE_KEY: {**temperature.as_dict(), **source}}
+    if args.context_match_orders > 0:
+        match = fit_greedy_context_match(target, draft, *answers, temperature.temperature, args.context_match_orders)
+        records[models.CONTEXT_MATCH_KEY] = {**match.as_dict(), "temperature": temperature.temperature, **source}
+    print(json.dumps(records, indent=2))
     if args.write:
         meta_path = weights.with_suffix(".json")
         meta = json.loads(meta_path.read_text())
-        meta[models.GREEDY_TEMPERATURE_KEY] = record
+        meta.pop(models.CONTEXT_MATCH_KEY, None)  # a fit at another temperature would no longer hold
+        meta.update(records)
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-        print(f"wrote {models.GREEDY_TEMPERATURE_KEY} to {meta_path}", file=sys.stderr)
+        print(f"wrote {', '.join(records)} to {meta_path}", file=sys.stderr)
     return 0
 

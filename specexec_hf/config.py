@@ -24,6 +24,10 @@ class SpecExecConfig:
         draft_temperature: Temperature of the draft's log-probs that rank the tree. ``None`` follows the
             generation temperature when sampling and uses 1.0 for greedy decoding. It shapes the tree only:
             the output distribution is the target's either way.
+        context_match_weights: Weights of next-token guesses copied from earlier in the sequence, one per match
+            length 1, 2, ... (see :mod:`specexec_hf.context_match`), each in ``[0, 1)``. ``None`` uses the draft's
+            calibrated weights for greedy decoding and none when sampling; ``()`` turns context matching off. Like
+            the temperature, it shapes the tree only.
     """
 
     budget: int | Literal["auto"] = 64
@@ -32,6 +36,7 @@ class SpecExecConfig:
     expand_per_forward: int = 16
     max_draft_forwards: int | None = None
     draft_temperature: float | None = None
+    context_match_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
@@ -51,6 +56,16 @@ class SpecExecConfig:
             raise ValueError(
                 f"SpecExecConfig.draft_temperature must be None or > 0, got {self.draft_temperature!r}."
             )
+        if self.context_match_weights is not None:
+            weights = self.context_match_weights
+            if not isinstance(weights, (tuple, list)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 1 for w in weights
+            ):
+                raise ValueError(
+                    "SpecExecConfig.context_match_weights must be None or a sequence of numbers in [0, 1) (one per "
+                    f"match length; () turns context matching off), got {weights!r}."
+                )
+            object.__setattr__(self, "context_match_weights", tuple(float(w) for w in weights))
 
     def depth_limit(self, max_depth: int | None = None) -> int:
         """``max_depth``, tightened by a per-tree limit (e.g. the tokens still allowed, minus the bonus token)."""

