@@ -179,7 +179,7 @@ def fit_context_match_weights(
     if not bool(usable.any()):
         raise ValueError("No position with a context match to fit on: pass prompts with longer answers.")
 
-    def cross_entropy(weight: float, p: torch.Tensor, q: torch.Tensor) -> float:
+    def cross_entropy(weight: float | torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> float:
         return float(-torch.log((1 - weight) * p + weight * q).mean())
 
     weights, counts = [], []
@@ -188,22 +188,21 @@ def fit_context_match_weights(
         p, q = draft_probs[here].double(), guess_probs[here].double()
         counts.append(int(here.sum()))
         # With positions the draft cannot propose the draft alone scores infinity: start the search above 0.
-        weights.append(round(_minimize_convex(lambda w: cross_entropy(w, p, q), 1e-6, 0.999), 4) if counts[-1] else 0.0)
+        fitted = _minimize_convex(lambda w: cross_entropy(w, p, q), 1e-6, 0.999) if counts[-1] else 0.0
+        weights.append(round(fitted, 4))
     proposable = usable & (draft_probs > 0)
     p, q = draft_probs[proposable].double(), guess_probs[proposable].double()
     mixed = torch.tensor([0.0, *weights], dtype=torch.float64)[orders[proposable]]
     return ContextMatchFit(
-        tuple(weights), tuple(counts), float(-torch.log((1 - mixed) * p + mixed * q).mean()),
-        cross_entropy(0.0, p, q), int((usable & (draft_probs == 0)).sum()),
+        tuple(weights), tuple(counts), cross_entropy(mixed, p, q), cross_entropy(0.0, p, q),
+        int((usable & (draft_probs == 0)).sum()),
     )
 
 
-@torch.inference_mode()
 def fit_greedy_context_match(
-    target: PreTrainedModel,
-    draft: PreTrainedModel,
     sequences: Sequence[torch.Tensor],
     prompt_lengths: Sequence[int],
+    positions: Sequence[tuple[torch.Tensor, torch.Tensor]],
     temperature: float,
     max_order: int = DEFAULT_CONTEXT_MATCH_ORDERS,
 ) -> ContextMatchFit:
@@ -211,18 +210,14 @@ def fit_greedy_context_match(
     probabilities at ``temperature`` (see :mod:`specexec_hf.context_match`).
 
     Args:
-        target: The target model.
-        draft: The draft model.
         sequences: ``[L]`` token ids, prompt then continuation (e.g. the target's greedy answers).
         prompt_lengths: Prompt length of each sequence.
+        positions: Per sequence, ``(greedy tokens, draft logits)`` from :func:`greedy_positions`.
         temperature: The draft temperature the tree is ranked at (e.g. the fitted greedy one).
         max_order: Longest match length (one weight each).
     """
     draft_probs, guess_probs, orders = [], [], []
-    for sequence, prompt_length, (target_logits, draft_logits) in zip(
-        sequences, prompt_lengths, continuation_logits(target, draft, sequences, prompt_lengths)
-    ):
-        labels = target_logits.argmax(dim=-1)
+    for sequence, prompt_length, (labels, draft_logits) in zip(sequences, prompt_lengths, positions):
         draft_probs.append(torch.softmax(draft_logits / temperature, dim=-1).gather(-1, labels[:, None])[:, 0])
         tokens, index = sequence.tolist(), ContextIndex(max_order)
         for offset, label in enumerate(labels.tolist()):
@@ -236,16 +231,14 @@ def fit_greedy_context_match(
     )
 
 
-def fit_greedy_temperature(
+def greedy_positions(
     target: PreTrainedModel,
     draft: PreTrainedModel,
     sequences: Sequence[torch.Tensor],
     prompt_lengths: Sequence[int],
-) -> TemperatureFit:
-    """The draft temperature whose softmax best predicts the target's greedy (argmax) tokens on ``sequences``.
-
-    Positions whose argmax the draft cannot propose (outside a restricted draft vocabulary) say nothing about
-    the temperature and are left out.
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, the target's greedy (argmax) tokens at its continuation positions and the draft's logits
+    there: what both fits learn from, from one forward of each model per sequence.
 
     Args:
         target: The target model.
@@ -253,9 +246,20 @@ def fit_greedy_temperature(
         sequences: ``[L]`` token ids, prompt then continuation (e.g. the target's greedy answers).
         prompt_lengths: Prompt length of each sequence.
     """
+    return [(t.argmax(dim=-1), d) for t, d in continuation_logits(target, draft, sequences, prompt_lengths)]
+
+
+def fit_greedy_temperature(positions: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> TemperatureFit:
+    """The draft temperature whose softmax best predicts the target's greedy (argmax) tokens.
+
+    Positions whose argmax the draft cannot propose (outside a restricted draft vocabulary) say nothing about
+    the temperature and are left out.
+
+    Args:
+        positions: Per sequence, ``(greedy tokens, draft logits)`` from :func:`greedy_positions`.
+    """
     draft_rows, labels = [], []
-    for target_logits, draft_logits in continuation_logits(target, draft, sequences, prompt_lengths):
-        argmax = target_logits.argmax(dim=-1)
+    for argmax, draft_logits in positions:
         proposable = torch.isfinite(draft_logits.gather(-1, argmax[:, None])[:, 0])
         draft_rows.append(draft_logits[proposable])
         labels.append(argmax[proposable])
@@ -296,7 +300,7 @@ def calibrate_draft_temperature(
         prompts: ``[1, L]`` (or ``[L]``) prompt ids, chat-formatted as in use.
         max_new_tokens: Length of each greedy answer.
     """
-    fit = fit_greedy_temperature(target, draft, *greedy_answers(target, prompts, max_new_tokens))
+    fit = fit_greedy_temperature(greedy_positions(target, draft, *greedy_answers(target, prompts, max_new_tokens)))
     setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, fit.temperature)
     return fit
 
@@ -352,14 +356,16 @@ def run(args: argparse.Namespace) -> int:
     prompts = calibration_prompts(args.prompts, args.count, args.after_distilled, args.seed)
     target, tokenizer = models.load_default_target()
     draft = models.load_draft_export(target, weights)
-    answers = greedy_answers(target, [torch.tensor(ids) for ids in encode_chats(tokenizer, prompts)],
-                             args.max_new_tokens)
+    sequences, lengths = greedy_answers(target, [torch.tensor(ids) for ids in encode_chats(tokenizer, prompts)],
+                                        args.max_new_tokens)
+    positions = greedy_positions(target, draft, sequences, lengths)
     source = {"prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
               "count": args.count, "max_new_tokens": args.max_new_tokens}
-    temperature = fit_greedy_temperature(target, draft, *answers)
+    temperature = fit_greedy_temperature(positions)
     records = {models.GREEDY_TEMPERATURE_KEY: {**temperature.as_dict(), **source}}
     if args.context_match_orders > 0:
-        match = fit_greedy_context_match(target, draft, *answers, temperature.temperature, args.context_match_orders)
+        match = fit_greedy_context_match(sequences, lengths, positions, temperature.temperature,
+                                         args.context_match_orders)
         records[models.CONTEXT_MATCH_KEY] = {**match.as_dict(), "temperature": temperature.temperature, **source}
     print(json.dumps(records, indent=2))
     if args.write:

@@ -40,10 +40,10 @@ class ContextIndex:
 
     def sync(self, history: Sequence[int]) -> None:
         """Indexes ``history``: only its new tokens when it continues the indexed ones, else from scratch."""
-        indexed = len(self.tokens)
-        if len(history) < indexed or list(history[:indexed]) != self.tokens:
-            self.tokens, self._followers, indexed = [], {}, 0
         history = list(history)
+        indexed = len(self.tokens)
+        if history[:indexed] != self.tokens:
+            self.tokens, self._followers, indexed = [], {}, 0
         for end in range(max(indexed, 1), len(history)):  # history[end] follows the n-grams ending before it
             follower = history[end]
             for order in range(1, min(self.max_order, end) + 1):
