@@ -4,7 +4,7 @@ after another, on the shipped SmolLM2 draft, as a serving engine would call it e
 Each simulated decoding step grows one tree per request from its token history in both modes (each mode keeps
 its own draft caches, as the vLLM proposer does), checks the two modes grew the same trees, then extends every
 history by the tree's best chain (up to --accept tokens) and a bonus token, so the caches carry over like in real
-decoding. Writes benchmarks/results/batched_drafting.{json,md}.
+decoding. Writes benchmarks/results/batched_drafting/batched_drafting.{json,md}.
 
 Run: .venv/bin/python benchmarks/batched_drafting.py [--requests 1 2 4 8] [--budget 32] [--steps 8]
 """
@@ -22,9 +22,9 @@ import transformers
 
 import specexec_hf
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
-from specexec_hf.prompts import chat_inputs, load_prompts
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "batched_drafting"
 
 
 def simulate(draft, histories: list[torch.Tensor], config: SpecExecConfig, steps: int, accept: int) -> dict:
@@ -86,7 +86,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "batched_drafting.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Drafting for several requests: batched vs one by one",

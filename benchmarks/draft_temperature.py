@@ -2,11 +2,12 @@
 
 Checks the calibrated greedy temperature (``specexec-hf calibrate``) against neighbouring ones by what it is
 for: tokens per target forward, with the draft's probabilities alone; ``--context-match`` adds a row at the
-calibrated temperature with the draft's calibrated context-match weights (:mod:`specexec_hf.context_match`).
+calibrated temperature with the draft's calibrated context-match weights (:mod:`specexec_hf.core.context_match`).
 The prompts are training prompts that neither the shipped draft's distillation (the first 1,536 of its order)
 nor its fits (among the next 128) used, and not the benchmark's eval prompts. Greedy outputs must be the same in
 every row (only the tree changes); the script fails otherwise.
-Writes JSON and Markdown to benchmarks/results/.
+Writes JSON and Markdown to --out: benchmarks/results/draft_temperature_ab/ by default; the context-matching A/B
+(--context-match) is kept in benchmarks/results/context_match_ab/.
 
 Run: .venv/bin/python benchmarks/draft_temperature.py [--prompts 16] [--temperatures 0.6 0.85 1.0] [--context-match]
 """
@@ -22,8 +23,12 @@ import torch
 import transformers
 
 from specexec_hf import SpecExecStats, models
-from specexec_hf.calibration import calibrated_context_match_weights, calibration_prompts, greedy_draft_temperature
-from specexec_hf.prompts import encode_chats
+from specexec_hf.hf.calibrated import (
+    calibrated_context_match_weights,
+    greedy_draft_temperature,
+)
+from specexec_hf.tools.calibrate import calibration_prompts
+from specexec_hf.tools.prompts import encode_chats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The shipped draft was distilled on the first 1,536 training prompts of distill's order and its temperature fit
@@ -43,7 +48,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context-match", action="store_true",
                         help="Also rank at the calibrated temperature with the draft's calibrated context matching.")
-    parser.add_argument("--out", type=Path, default=RESULTS / "draft_temperature")
+    parser.add_argument("--out", type=Path, default=RESULTS / "draft_temperature_ab")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -8,7 +8,8 @@
 The offloaded target keeps no weight in RAM (``max_memory={"cpu": 0}``) and reads the whole checkpoint on every
 forward, from the kernel's page cache once it has been read once (``disk_read`` in the results times one read
 right after evicting the file and one cached read, to show what the disk itself would cost).
-Writes JSON and Markdown to benchmarks/results/. Not a test: the numbers depend on the machine and its load.
+Writes JSON and Markdown to benchmarks/results/offload_executors/. Not a test: the numbers depend on the machine
+and its load.
 Run: .venv/bin/python benchmarks/offload.py [--prompts 3] [--max-new-tokens 32] [--budgets 32 64]
 """
 
@@ -28,9 +29,9 @@ import transformers
 import specexec_hf
 from specexec_hf.models import target_cache_dir
 from specexec_hf.offload import load_offloaded
-from specexec_hf.prompts import chat_inputs, load_prompts
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "offload_executors"
 EXECUTORS = ("accelerate", "stream")
 
 
@@ -65,7 +66,7 @@ def exported_draft(weights: Path):
     """``(draft, tokenizer)`` from an exported ``draft.safetensors`` and its ``draft.json``, as shipped drafts load."""
     from safetensors.torch import load_file
 
-    from specexec_hf.models import build_draft, draft_config_from_target
+    from specexec_hf.models.drafts import build_draft, draft_config_from_target
 
     target, tokenizer = specexec_hf.load_default_target()
     meta = json.loads(weights.with_suffix(".json").read_text())

@@ -17,8 +17,8 @@ import time
 import torch
 
 import specexec_hf
-from specexec_hf.bench import ForwardMeter, pick_prompts, truncated_draft
-from specexec_hf.prompts import chat_inputs
+from specexec_hf.tools.bench import ForwardMeter, pick_prompts, truncated_draft
+from specexec_hf.tools.prompts import chat_inputs
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/run.py [--prompts 8] [--max-new-tokens 64] [--b
 
 import sys
 
-from specexec_hf.cli import main
+from specexec_hf.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

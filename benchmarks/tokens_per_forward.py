@@ -5,7 +5,8 @@
   forward yields about one token, which is the floor SpecExec never goes below.
 
 Greedy output is checked against plain generate() for every prompt. Writes JSON and Markdown to
-benchmarks/results/. Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 4] [--max-new-tokens 48]
+benchmarks/results/tokens_per_forward/.
+Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 4] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specexec_hf
-from specexec_hf.prompts import chat_inputs, load_prompts
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "tokens_per_forward"
 
 
 def random_draft(target) -> LlamaForCausalLM:
@@ -80,7 +81,7 @@ def main() -> None:
         entry["all_identical"] &= row["identical_to_plain_greedy"]
     for entry in summary.values():
         entry["tokens_per_target_forward"] = entry["new_tokens"] / entry["target_forwards"]
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     report = {
         "command": "benchmarks/tokens_per_forward.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),

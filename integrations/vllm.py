@@ -23,9 +23,9 @@ Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``
 ``SPECEXEC_BUDGET``, ...), which the JSON overrides. Settings: ``draft_model`` (path or hub id, required),
 ``draft_dtype`` (default: the target's dtype) and the :class:`SpecExecConfig` knobs.
 
-All requests of a step grow their trees together (:func:`~specexec_hf.draft.grow_trees`): each round of the
-best-first searches is one batched draft forward, so a step costs about as many draft calls as its deepest
-tree, not the sum over requests.
+All requests of a step grow their trees together (:func:`~specexec_hf.hf.candidate_generator.grow_trees`): each
+round of the best-first searches is one batched draft forward, so a step costs about as many draft calls as
+its deepest tree, not the sum over requests.
 
 Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
 and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); vLLM runs
@@ -46,9 +46,9 @@ import torch
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..compat import check_draft_vocabulary, check_supported
-from ..config import SpecExecConfig
-from ..draft import SpecExecCandidateGenerator, grow_trees
+from ..core.config import SpecExecConfig
+from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
+from ..hf.compat import check_draft_vocabulary, check_supported
 
 try:
     import vllm

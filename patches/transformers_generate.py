@@ -59,7 +59,7 @@ def apply() -> None:
     if is_applied():
         return
     check_version()
-    from specexec_hf.generation import generate as specexec_generate
+    from specexec_hf.hf.generation import generate as specexec_generate
 
     original = GenerationMixin.generate
     original_extract = GenerationMixin._extract_generation_mode_kwargs

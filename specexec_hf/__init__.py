@@ -4,15 +4,27 @@
 ``model.generate(..., assistant_model=draft, custom_generate=specexec_hf.generate)`` works without the patch.
 """
 
-from .config import SpecExecConfig
-from .draft import SpecExecCandidateGenerator, TreeBatch, grow_trees
-from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
+from .core import (
+    Acceptance,
+    BestFirstSearch,
+    SearchResult,
+    SpecExecConfig,
+    SpecExecStats,
+    StepStats,
+    TokenTree,
+    acceptance_walk,
+    grow_tree,
+)
+from .hf import (
+    SpecExecCandidateGenerator,
+    SpecExecDecoderOnlyOutput,
+    TreeBatch,
+    TreeLogitsProcessor,
+    generate,
+    grow_trees,
+)
 from .models import load_default_pair, load_default_target
 from .offload import LayerStreamer, layer_streamer, load_offloaded
-from .search import BestFirstSearch, SearchResult, grow_tree
-from .stats import SpecExecStats, StepStats
-from .tree import TokenTree
-from .verify import Acceptance, acceptance_walk
 
 __version__ = "0.1.0"
 

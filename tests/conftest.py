@@ -29,6 +29,19 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# Modules that load the real SmolLM2 pair, start vLLM engines or run distillation: `-m "not slow"` leaves them out.
+SLOW_MODULES = {"test_models.py", "test_smollm2.py", "test_vllm.py", "test_distill.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: loads real models, starts vLLM engines or runs distillation")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),

@@ -10,12 +10,11 @@ from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-import specexec_hf
 from specexec_hf import SpecExecConfig, SpecExecStats, TokenTree
-from specexec_hf import autobudget
-from specexec_hf.autobudget import AcceptanceProfile, AutoBudget, ForwardProfile
-from specexec_hf.baselines import best_first_nodes
-from specexec_hf.verify import Acceptance
+from specexec_hf.core.static_trees import best_first_nodes
+from specexec_hf.core.verify import Acceptance
+from specexec_hf.hf import autobudget
+from specexec_hf.hf.autobudget import AcceptanceProfile, AutoBudget, ForwardProfile
 
 CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
 

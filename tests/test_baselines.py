@@ -10,9 +10,14 @@ from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-import specexec_hf
 from specexec_hf import SpecExecStats
-from specexec_hf.baselines import SequoiaSearch, SpecInferSearch, TreeShape, best_first_nodes, measure_acceptance
+from specexec_hf.core.static_trees import (
+    SequoiaSearch,
+    SpecInferSearch,
+    TreeShape,
+    best_first_nodes,
+)
+from specexec_hf.tools.acceptance import measure_acceptance
 
 acceptance_vectors = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6)
 

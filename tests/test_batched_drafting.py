@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from test_cache import assert_cache_prefix_equal, recomputed_cache
 
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
-from specexec_hf.baselines import SpecInferSearch
+from specexec_hf.core.static_trees import SpecInferSearch
 
 
 def assert_same_tree(batched, alone) -> None:

@@ -8,9 +8,16 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 
-from specexec_hf import autobudget
-from specexec_hf.bench import (
-    Bench, Run, add_arguments, goals, mark_greedy_matches, plan, summarize, write_markdown,
+from specexec_hf.hf import autobudget
+from specexec_hf.tools.bench import (
+    Bench,
+    Run,
+    add_arguments,
+    goals,
+    mark_greedy_matches,
+    plan,
+    summarize,
+    write_markdown,
 )
 
 

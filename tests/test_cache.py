@@ -80,7 +80,7 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
 
 @given(arch=st.sampled_from(sorted(ARCHITECTURES)), seed=st.integers(0, 2**16), hooked_head=st.booleans())
 def test_node_logits_on_demand_equal_the_full_forward(arch, seed, hooked_head):
-    from specexec_hf.compat import model_logits, node_logits
+    from specexec_hf.hf.compat import model_logits, node_logits
 
     model = tiny_model(arch, seed=seed)
     if hooked_head:  # e.g. an offloading hook: the head must then run inside the model's own forward

@@ -6,19 +6,19 @@ import math
 
 import pytest
 import torch
+from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
 from specexec_hf import SpecExecStats
-from specexec_hf.calibration import (
+from specexec_hf.tools.calibrate import (
     GREEDY_TEMPERATURE_ATTRIBUTE,
     calibrate_draft_temperature,
     calibration_prompts,
     fit_temperature,
 )
-from specexec_hf.distill import plan_jobs, read_prompts
-
-from conftest import perturbed_copy, tiny_model
+from specexec_hf.tools.distill.generate import plan_jobs
+from specexec_hf.tools.distill.sources import read_prompts
 
 
 @given(temperature=st.floats(0.3, 3.0), seed=st.integers(0, 2**16))

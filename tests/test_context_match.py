@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specexec_hf import SpecExecConfig, SpecExecStats
-from specexec_hf.calibration import CONTEXT_MATCH_ATTRIBUTE, fit_context_match_weights
-from specexec_hf.context_match import ContextIndex, mix_context_guesses
+from specexec_hf.core.context_match import ContextIndex, mix_context_guesses
+from specexec_hf.hf.calibrated import CONTEXT_MATCH_ATTRIBUTE
+from specexec_hf.tools.calibrate import fit_context_match_weights
 
 tokens = st.lists(st.integers(0, 3), max_size=40)  # a small vocabulary, so that n-grams recur
 

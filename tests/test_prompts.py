@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from specexec_hf.prompts import load_prompt_records, prompt_file
+from specexec_hf.tools.prompts import load_prompt_records, prompt_file
 
 
 def _words(prompt: str) -> frozenset[str]:

@@ -14,7 +14,12 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 from scipy.stats import chisquare
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
 

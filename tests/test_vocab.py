@@ -11,7 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
-from specexec_hf.vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
+from specexec_hf.models.vocab import (
+    SubsetLMHead,
+    frequent_tokens,
+    restrict_draft_vocabulary,
+)
 
 
 @given(seed=st.integers(0, 2**16), subset=st.sets(st.integers(0, 63), min_size=1, max_size=64))

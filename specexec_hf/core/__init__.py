@@ -1,0 +1,47 @@
+"""The SpecExec algorithm as small torch functions over a :class:`TokenTree`; no transformers here.
+
+- :mod:`.tree`: the token tree (parents-first nodes, depths, cumulative draft log-probs, ancestor masks);
+- :mod:`.search`: SpecExec's best-first tree growth (a ``SearchFn``); :mod:`.static_trees`: SpecInfer- and
+  Sequoia-style trees behind the same interface, the place for further tree policies;
+- :mod:`.verify`: the acceptance walk of the target's own choices down the tree;
+- :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
+- :mod:`.config`: the knobs; :mod:`.stats`: what a generation reports.
+"""
+
+from .config import SpecExecConfig
+from .context_match import ContextIndex, mix_context_guesses
+from .masks import additive_mask, chain_and_tree_mask
+from .search import BestFirstSearch, ExpandFn, SearchFn, SearchResult, grow_tree
+from .static_trees import (
+    SequoiaSearch,
+    SpecInferSearch,
+    StaticTreeSearch,
+    TreeShape,
+    best_first_nodes,
+)
+from .stats import SpecExecStats, StepStats
+from .tree import TokenTree
+from .verify import Acceptance, acceptance_walk
+
+__all__ = [
+    "Acceptance",
+    "BestFirstSearch",
+    "ContextIndex",
+    "ExpandFn",
+    "SearchFn",
+    "SearchResult",
+    "SequoiaSearch",
+    "SpecExecConfig",
+    "SpecExecStats",
+    "SpecInferSearch",
+    "StaticTreeSearch",
+    "StepStats",
+    "TokenTree",
+    "TreeShape",
+    "acceptance_walk",
+    "additive_mask",
+    "best_first_nodes",
+    "chain_and_tree_mask",
+    "grow_tree",
+    "mix_context_guesses",
+]

@@ -1,0 +1,84 @@
+"""SpecExec knobs, settable from ``generate()`` keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class SpecExecConfig:
+    """How the draft grows the token tree that the target verifies in one forward.
+
+    Args:
+        budget: Most draft tokens in the tree (the root, the last committed token, comes on top). The target
+            scores ``budget + 1`` tokens per forward, so pick it by how the target's forward time grows with
+            tokens: small (16-64) for an in-memory target on a CPU, large (256-1024) for an offloaded one.
+            ``"auto"`` lets ``generate()`` pick it before every step from the target's measured forward times
+            and the running acceptance profile (see :mod:`specexec_hf.hf.autobudget`).
+        max_depth: Deepest level a tree node may reach, so at most ``max_depth + 1`` tokens per target forward.
+        max_branch: Children considered per expanded node (the draft's top-k tokens there).
+        expand_per_forward: How many frontier nodes one draft forward expands, all in one batched call.
+        max_draft_forwards: Cap on draft forwards per tree after the first; ``None`` runs until no frontier node
+            can still improve the tree (which takes at most ``budget`` expansions).
+        draft_temperature: Temperature of the draft's log-probs that rank the tree. ``None`` follows the
+            generation temperature when sampling and, for greedy decoding, uses the draft's calibrated greedy
+            temperature (1.0 for an uncalibrated draft). It shapes the tree only: the output is the target's.
+        context_match_weights: Weights of next-token guesses copied from earlier in the sequence, one per match
+            length 1, 2, ... (see :mod:`specexec_hf.core.context_match`), each in ``[0, 1)``. ``None`` uses the
+            draft's calibrated weights for greedy decoding and none when sampling; ``()`` turns context matching off.
+            Like
+            the temperature, it shapes the tree only.
+    """
+
+    budget: int | Literal["auto"] = 64
+    max_depth: int = 16
+    max_branch: int = 16
+    expand_per_forward: int = 16
+    max_draft_forwards: int | None = None
+    draft_temperature: float | None = None
+    context_match_weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
+            value = getattr(self, name)
+            if name == "budget" and value == "auto":  # resolved by generate() before every step
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SpecExecConfig.{name} must be a positive integer, got {value!r}.")
+        if self.max_draft_forwards is not None and (
+            not isinstance(self.max_draft_forwards, int) or self.max_draft_forwards < 0
+        ):
+            raise ValueError(
+                f"SpecExecConfig.max_draft_forwards must be None or a non-negative integer, got "
+                f"{self.max_draft_forwards!r}."
+            )
+        if self.draft_temperature is not None and not self.draft_temperature > 0:
+            raise ValueError(
+                f"SpecExecConfig.draft_temperature must be None or > 0, got {self.draft_temperature!r}."
+            )
+        if self.context_match_weights is not None:
+            weights = self.context_match_weights
+            if not isinstance(weights, (tuple, list)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 1 for w in weights
+            ):
+                raise ValueError(
+                    "SpecExecConfig.context_match_weights must be None or a sequence of numbers in [0, 1) (one per "
+                    f"match length; () turns context matching off), got {weights!r}."
+                )
+            object.__setattr__(self, "context_match_weights", tuple(float(w) for w in weights))
+
+    def depth_limit(self, max_depth: int | None = None) -> int:
+        """``max_depth``, tightened by a per-tree limit (e.g. the tokens still allowed, minus the bonus token)."""
+        return self.max_depth if max_depth is None else min(max_depth, self.max_depth)
+
+    @classmethod
+    def knob_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def updated(self, **overrides: Any) -> SpecExecConfig:
+        """A copy with the given knobs replaced; ``None`` values keep the current setting."""
+        unknown = set(overrides) - set(self.knob_names())
+        if unknown:
+            raise TypeError(f"Unknown SpecExec knob(s) {sorted(unknown)}; known: {list(self.knob_names())}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})

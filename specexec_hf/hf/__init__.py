@@ -1,0 +1,23 @@
+"""The transformers adapter: SpecExec inside ``generate()``.
+
+- :mod:`.generation`: the ``custom_generate`` decoding loop (one tree, one target forward, one walk per step);
+- :mod:`.candidate_generator`: the draft side, a transformers ``CandidateGenerator`` growing trees with the
+  draft's KV cache kept across steps (:func:`grow_trees` batches several requests);
+- :mod:`.compat`: what a model must support, checked up front, and the forward/logit helpers;
+- :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
+- :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache.
+"""
+
+from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_trees
+from .compat import UnsupportedModelError
+from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
+
+__all__ = [
+    "SpecExecCandidateGenerator",
+    "SpecExecDecoderOnlyOutput",
+    "TreeBatch",
+    "TreeLogitsProcessor",
+    "UnsupportedModelError",
+    "generate",
+    "grow_trees",
+]

@@ -1,0 +1,301 @@
+"""``budget="auto"``: pick the tree size that maximises expected tokens per second on this hardware.
+
+Sequoia's idea applied to dynamic trees. Two measurements model a step at budget ``B``:
+
+- time: the target's forward time over ``B + 1`` tokens and the draft's over ``expand_per_forward`` tokens,
+  measured once per model, device, dtype and thread count (cached in-process and on disk), with the draft's
+  forwards per tree and a running correction of the draft time from observed steps;
+- tokens: the expected tokens per step, ``1 + (sum of the B best node values)`` under the running per-rank
+  acceptance profile (how often the target's choice was the draft's rank-r child). Under that model the best
+  tree of any size is its best nodes (see :class:`specexec_hf.core.static_trees.SequoiaSearch`), which is what
+  SpecExec's best-first tree approximates.
+
+Before every step the budget with the highest ``tokens / time`` among the candidates is used; after it the
+acceptance walk and the draft time update the running estimates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..core.config import SpecExecConfig
+from ..core.static_trees import best_first_nodes
+from ..core.tree import TokenTree
+from ..core.verify import Acceptance
+from .cache_dir import cache_root
+from .compat import model_logits, node_logits
+from .kv import compact_cache
+
+DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
+PROFILE_CONTEXT = 128  # tokens in the cache while timing, a typical prompt-plus-answer length
+PROFILE_FILE_NAME = "forward_profiles.json"
+
+
+@dataclass
+class ForwardProfile:
+    """Seconds per forward over ``n`` new tokens on top of a short cache, at measured token counts.
+
+    Args:
+        seconds: ``{token_count: seconds}``.
+    """
+
+    seconds: dict[int, float]
+
+    def __call__(self, tokens: int) -> float:
+        """Forward time over ``tokens`` tokens, linear between (and beyond) the measured counts."""
+        sizes = sorted(self.seconds)
+        if tokens in self.seconds or len(sizes) == 1:
+            return self.seconds.get(tokens, self.seconds[sizes[0]])
+        lower = max([s for s in sizes if s < tokens], default=sizes[0])
+        upper = min([s for s in sizes if s > tokens], default=sizes[-1])
+        if lower == upper:  # outside the measured range: extend the nearest segment
+            lower, upper = (sizes[0], sizes[1]) if tokens < sizes[0] else (sizes[-2], sizes[-1])
+        slope = (self.seconds[upper] - self.seconds[lower]) / (upper - lower)
+        return max(self.seconds[lower] + slope * (tokens - lower), 0.0)
+
+
+@torch.no_grad()
+def measure_forward_profile(
+    model: PreTrainedModel, sizes: Sequence[int], repeats: int = 3, enough_seconds: float = 1.0
+) -> ForwardProfile:
+    """Times ``model``'s forward over each token count in ``sizes`` with a tree-style 4-D mask.
+
+    Args:
+        model: The model to time.
+        sizes: Token counts per forward.
+        repeats: Most timed forwards per count; the fastest is kept, since interference only adds time.
+        enough_seconds: A count stops repeating once its runs took this long (slow forwards vary little).
+    """
+    device = model.get_input_embeddings().weight.device
+    vocab = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    context = torch.arange(PROFILE_CONTEXT, device=device) % vocab
+    model_logits(model, context, torch.arange(PROFILE_CONTEXT, device=device), cache, 1)
+    seconds = {}
+    for size in [min(sizes), *sorted(sizes)]:  # the first run warms up kernels and allocator
+        tokens = torch.arange(size, device=device) % vocab
+        positions = torch.arange(PROFILE_CONTEXT, PROFILE_CONTEXT + size, device=device)
+        visible = torch.ones(size, PROFILE_CONTEXT + size, dtype=torch.bool, device=device).tril(PROFILE_CONTEXT)
+        runs: list[float] = []
+        while len(runs) < repeats and sum(runs) < enough_seconds:
+            started = time.perf_counter()
+            # As in a SpecExec step: the tree forward, then the logits of the nodes the walk visits (about one).
+            node_logits(model, tokens, positions, cache, size, visible).row(0)
+            runs.append(time.perf_counter() - started)
+            compact_cache(cache, PROFILE_CONTEXT, torch.empty(0, dtype=torch.long))
+        seconds[size] = min(runs)
+    return ForwardProfile(seconds)
+
+
+_profiles: dict[str, ForwardProfile] = {}
+
+
+def _profile_key(model: PreTrainedModel, sizes: Sequence[int]) -> str:
+    parameter = model.get_input_embeddings().weight
+    return "|".join(
+        [
+            str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
+            f"{sum(p.numel() for p in model.parameters())} params",
+            str(parameter.dtype),
+            str(parameter.device),
+            f"{torch.get_num_threads()} threads",
+            platform.machine(),
+            platform.processor() or platform.node(),
+            ",".join(map(str, sorted(sizes))),
+        ]
+    )
+
+
+def forward_profile(model: PreTrainedModel, sizes: Sequence[int], use_disk: bool = True) -> ForwardProfile:
+    """``model``'s forward-time profile, measured on first use and cached per model, device, dtype and threads.
+
+    The disk cache is ``<cache_root()>/forward_profiles.json`` (``$SPECEXEC_HF_CACHE`` moves it); delete it
+    to re-measure after a hardware change.
+
+    Args:
+        model: The model to time.
+        sizes: Token counts per forward.
+        use_disk: Also read and write the on-disk cache.
+    """
+    key = _profile_key(model, sizes)
+    if key not in _profiles:
+        path = cache_root() / PROFILE_FILE_NAME
+        stored = _read_profiles(path) if use_disk else {}
+        if key in stored:
+            _profiles[key] = ForwardProfile({int(n): s for n, s in stored[key].items()})
+        else:
+            _profiles[key] = measure_forward_profile(model, sizes)
+            if use_disk:
+                stored = _read_profiles(path)  # another process may have written meanwhile
+                stored[key] = _profiles[key].seconds
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staging = path.with_suffix(f".{os.getpid()}.tmp")
+                staging.write_text(json.dumps(stored, indent=1))
+                staging.replace(path)
+    return _profiles[key]
+
+
+def _read_profiles(path: Path) -> dict[str, dict[str, float]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class AcceptanceProfile:
+    """Running per-rank acceptance: at nodes the acceptance walk visited, how often the target's choice was the
+    draft's rank-r child, counting only nodes that had a rank-r child in the tree.
+
+    Args:
+        hits: Per-rank count of walks that took the rank-r child.
+        visits: Per-rank count of visited nodes that had a rank-r child.
+    """
+
+    hits: list[float] = field(default_factory=list)
+    visits: list[float] = field(default_factory=list)
+
+    @classmethod
+    def with_prior(cls, ranks: int) -> AcceptanceProfile:
+        """A weak prior worth one visit per rank, halving with each rank; a few steps outweigh it."""
+        return cls(hits=[0.5 ** (r + 1) for r in range(ranks)], visits=[1.0] * ranks)
+
+    def rates(self) -> list[float]:
+        return [hit / visit for hit, visit in zip(self.hits, self.visits)]
+
+    def observe(self, tree: TokenTree, acceptance: Acceptance) -> None:
+        """Adds one step's walk: node ``[0, *path][i]`` was visited and the target chose ``tokens[i]`` there."""
+        for node, chosen in zip([0, *acceptance.path], acceptance.tokens):
+            children = tree.children(node)
+            # Best-first trees keep each node's best children, so the order of their log-probs is the draft rank.
+            ranked = tree.tokens[children[torch.argsort(-tree.logprobs[children], stable=True)]].tolist()
+            for rank, token in enumerate(ranked[: len(self.visits)]):
+                self.visits[rank] += 1
+                self.hits[rank] += token == chosen
+
+
+class AutoBudget:
+    """Chooses each step's budget by modelled tokens per second.
+
+    A step at budget ``B`` is modelled as one target forward over ``B + 1`` tokens plus ``1 + ceil(B / E)``
+    draft forwards of ``E = expand_per_forward`` tokens (the first feeds the root, then best-first search
+    expands about one node per tree token), scaled by the running ratio of observed to modelled draft time,
+    which also covers the search's own host time.
+
+    Args:
+        target_seconds: Target forward time by token count.
+        draft_forward_seconds: Time of one draft forward over ``expand_per_forward`` tokens.
+        expand_per_forward: Nodes expanded per draft forward, as in :class:`SpecExecConfig`.
+        acceptance: The running acceptance profile.
+        candidates: Budgets to choose from.
+        max_depth: Tree depth limit, as in :class:`SpecExecConfig`.
+    """
+
+    def __init__(
+        self,
+        target_seconds: ForwardProfile,
+        draft_forward_seconds: float,
+        expand_per_forward: int,
+        acceptance: AcceptanceProfile,
+        candidates: Sequence[int] = DEFAULT_CANDIDATES,
+        max_depth: int = SpecExecConfig().max_depth,
+    ):
+        self.target_seconds = target_seconds
+        self.draft_forward_seconds = draft_forward_seconds
+        self.expand_per_forward = expand_per_forward
+        self.acceptance = acceptance
+        self.candidates = sorted(candidates)
+        self.max_depth = max_depth
+        self._draft_observed = 0.0
+        self._draft_modelled = 0.0
+
+    def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
+        """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""
+        depth = self.max_depth if max_depth is None else min(max_depth, self.max_depth)
+        _, _, values = best_first_nodes(self.acceptance.rates(), max(self.candidates), depth)
+        cumulative = [0.0]
+        for value in values:
+            cumulative.append(cumulative[-1] + value)
+        # values[0] is the root (1.0): it stands for the bonus token every step commits.
+        return {b: cumulative[min(b + 1, len(values))] for b in self.candidates}
+
+    def draft_seconds(self, budget: int) -> float:
+        """Modelled drafting time of a tree of ``budget`` tokens, before the running correction."""
+        return self.draft_forward_seconds * (1 + math.ceil(budget / self.expand_per_forward))
+
+    def step_seconds(self, budget: int) -> float:
+        """Modelled wall time of a step: the target over the root and ``budget`` tree tokens, plus drafting."""
+        scale = self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0
+        return self.target_seconds(budget + 1) + scale * self.draft_seconds(budget)
+
+    def tokens_per_second(self, max_depth: int | None = None) -> dict[int, float]:
+        return {b: tokens / self.step_seconds(b) for b, tokens in self.expected_tokens(max_depth).items()}
+
+    def choose(self, max_depth: int | None = None) -> int:
+        """The candidate budget with the highest modelled tokens per second (the smaller one on ties)."""
+        rates = self.tokens_per_second(max_depth)
+        return max(self.candidates, key=lambda b: (rates[b], -b))
+
+    def describe(self) -> dict[str, object]:
+        """The current model, for reports: acceptance rates, modelled tokens per step and tokens/s per budget."""
+        return {
+            "acceptance_rates": self.acceptance.rates(),
+            "draft_time_scale": self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0,
+            "modelled_tokens_per_step": self.expected_tokens(),
+            "modelled_tokens_per_second": self.tokens_per_second(),
+            "choice": self.choose(),
+        }
+
+    def observe(self, tree: TokenTree, acceptance: Acceptance, draft_seconds: float) -> None:
+        """Updates the acceptance profile and the draft-time correction with one finished step."""
+        self.acceptance.observe(tree, acceptance)
+        self._draft_observed += draft_seconds
+        self._draft_modelled += self.draft_seconds(tree.num_nodes - 1)
+
+
+# One AutoBudget per target, draft, draft temperature and tree knobs: its running estimates outlive a
+# generate() call, so later calls start from what earlier ones measured, and it vanishes with the models.
+_running: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def auto_budget_for(
+    target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig, draft_temperature: float
+) -> AutoBudget:
+    """The :class:`AutoBudget` ``generate(budget="auto")`` uses: cached forward profiles, running estimates.
+
+    Args:
+        target: The target model.
+        draft: The draft model.
+        config: ``max_depth``, ``max_branch`` (acceptance ranks tracked) and ``expand_per_forward``.
+        draft_temperature: The draft temperature the trees are ranked with (acceptance differs with it).
+    """
+    by_draft = _running.setdefault(target, weakref.WeakKeyDictionary())
+    by_setting = by_draft.setdefault(draft, {})
+    key = (draft_temperature, config.max_depth, config.max_branch, config.expand_per_forward)
+    if key not in by_setting:
+        by_setting[key] = AutoBudget(
+            forward_profile(target, [b + 1 for b in DEFAULT_CANDIDATES]),
+            forward_profile(draft, [config.expand_per_forward])(config.expand_per_forward),
+            config.expand_per_forward,
+            AcceptanceProfile.with_prior(config.max_branch),
+            DEFAULT_CANDIDATES,
+            config.max_depth,
+        )
+    return by_setting[key]
+
+
+def running_auto_budgets(target: PreTrainedModel, draft: PreTrainedModel) -> dict[tuple, AutoBudget]:
+    """The :class:`AutoBudget` of each ``(draft temperature, max_depth, max_branch, expand_per_forward)`` that
+    ``generate(budget="auto")`` has used with this pair."""
+    return dict(_running.get(target, {}).get(draft, {}))

@@ -1,0 +1,339 @@
+"""The draft side: a transformers ``CandidateGenerator`` that grows SpecExec trees with a small causal LM.
+
+One generator drafts for one sequence and keeps that sequence's draft KV cache. :func:`grow_trees` grows the
+trees of several generators at once (a serving batch): each round of the best-first searches becomes one
+batched draft forward, padded per request, instead of one forward per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..core.config import SpecExecConfig
+from ..core.context_match import ContextIndex, mix_context_guesses
+from ..core.search import BestFirstSearch, SearchFn, SearchResult, grow_tree
+from ..core.tree import TokenTree
+from .compat import batch_logits, check_supported, model_logits
+from .kv import compact_cache
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class DraftFeed:
+    """One sequence's share of a draft forward.
+
+    Args:
+        cache: The sequence's draft KV cache; the fed tokens are appended to it.
+        tokens: ``[n]`` tokens to feed.
+        positions: ``[n]`` their positions.
+        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        num_logits: How many trailing tokens need logits.
+    """
+
+    cache: DynamicCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    num_logits: int
+
+    def visibility(self) -> torch.Tensor:
+        """``visible``, with the causal pattern spelled out when it is ``None``."""
+        if self.visible is not None:
+            return self.visible
+        count, cache_length = self.tokens.numel(), self.cache.get_seq_length()
+        visible = torch.ones(count, cache_length + count, dtype=torch.bool, device=self.tokens.device)
+        visible[:, cache_length:] = visible[:, cache_length:].tril()
+        return visible
+
+
+class SpecExecCandidateGenerator(CandidateGenerator):
+    """Grows SpecExec token trees with a draft model, reusing the draft's KV cache across calls.
+
+    The generator only ever needs the token history: on each call it keeps the longest part of its cache that
+    matches the history (the committed tokens plus any accepted tree nodes it had already fed), cuts the rest,
+    and feeds the draft only the tokens it has not seen. That serves the Hugging Face loop (history grows by the
+    accepted tokens) and serving engines (history may be anything) with the same code.
+
+    Args:
+        draft_model: A causal LM sharing the target's tokenizer.
+        config: Tree-growth knobs.
+        temperature: Temperature applied to the draft's logits before ranking the tree.
+        search: The tree-growth policy; SpecExec's best-first ``grow_tree`` unless a baseline is being measured.
+        context_match_weights: Guess weights per match length for context matching (see
+            :mod:`specexec_hf.core.context_match`); empty for none.
+    """
+
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        config: SpecExecConfig,
+        temperature: float = 1.0,
+        search: SearchFn = grow_tree,
+        context_match_weights: Sequence[float] = (),
+    ):
+        check_supported(draft_model, "draft")
+        self.draft_model = draft_model
+        self.config = config
+        self.temperature = temperature
+        self.search = search
+        self.context_match_weights = tuple(context_match_weights)
+        self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
+        self.cache = DynamicCache(config=draft_model.config)
+        self.cached_ids: list[int] = []
+        # The last search's candidate pool, whose root is cached_ids[-1], and each pool node's cache slot (-1: not
+        # fed). Accepted nodes that were fed are kept on the next call instead of being fed again.
+        self._pool: TokenTree | None = None
+        self._pool_slots = torch.empty(0, dtype=torch.long)
+        # The history of the tree being grown.
+        self._history: list[int] = []
+
+    @property
+    def _device(self) -> torch.device:
+        # The draft may live on a faster device than the target (offloading): grow the tree where the draft is.
+        return self.draft_model.device
+
+    def grow_tree(self, input_ids: torch.Tensor, max_depth: int | None = None) -> SearchResult:
+        """Grows the tree whose root is the last token of ``input_ids`` (shape ``[1, L]``)."""
+        self._begin_tree(input_ids)
+
+        def expand(pool: TokenTree, nodes: torch.Tensor) -> torch.Tensor:
+            feed = self._feed(pool, nodes)
+            return self._absorb(pool, nodes, forward_feeds(self.draft_model, [feed])[0])
+
+        return self.search(self._history[-1], expand, self.config, max_depth=max_depth, device=self._device)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
+        """The tree's chain with the highest expected acceptance, appended to ``input_ids`` (for chain verifiers)."""
+        result = self.grow_tree(input_ids, max_depth=kwargs.get("max_depth"))
+        chain = result.tree.tokens[result.tree.best_path()]
+        return torch.cat([input_ids, chain[None].to(input_ids)], dim=-1), None
+
+    def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        # Dividing by 1.0 would still copy the [nodes, vocab] logits.
+        scaled = logits if self.temperature == 1.0 else logits / self.temperature
+        return torch.log_softmax(scaled, dim=-1)
+
+    def _begin_tree(self, input_ids: torch.Tensor) -> None:
+        """Takes the new token history and cuts the cache back to what still matches it."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
+        self._history = input_ids[0].tolist()
+        self._sync_cache(self._history)
+        if self._context is not None:
+            self._context.sync(self._history)
+
+    def _feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
+        """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
+        with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""
+        history = self._history
+        if self._pool is None:
+            pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=self._device)
+            positions = torch.arange(len(self.cached_ids), len(history), device=self._device)
+            return DraftFeed(self.cache, pending, positions, None, 1)
+        cache_length = self.cache.get_seq_length()
+        # Every ancestor of a node being expanded was itself expanded, hence fed: its slot is already recorded.
+        slots = self._pool_slots
+        count = nodes.numel()
+        rows = torch.arange(count, device=pool.device)
+        visible = torch.zeros(count, cache_length + count, dtype=torch.bool, device=pool.device)
+        visible[:, : len(self.cached_ids)] = True
+        visible[rows, cache_length + rows] = True
+        ancestor = pool.parents[nodes]
+        while bool((ancestor > 0).any()):  # the root (node 0) is a committed token, visible already
+            has = ancestor > 0
+            visible[rows[has], slots[ancestor[has]]] = True
+            ancestor = torch.where(has, pool.parents[ancestor.clamp(min=0)], 0)
+        positions = pool.positions(len(history) - 1)[nodes]
+        return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
+
+    def _absorb(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Records where the fed tokens now sit in the cache; returns the expansion's log-probs."""
+        if self._pool is None:
+            self.cached_ids = list(self._history)
+            slots = torch.full((1,), len(self._history) - 1, dtype=torch.long, device=self._device)
+        else:
+            # The pool has grown since the last feed: its new nodes have no slot (-1) until they are fed.
+            slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
+            slots[: self._pool_slots.numel()] = self._pool_slots
+            fed_from = self.cache.get_seq_length() - nodes.numel()
+            slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
+        self._pool, self._pool_slots = pool, slots
+        logprobs = self._logprobs(logits)
+        if self._context is None:
+            return logprobs
+        return mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
+
+    def _context_matches(self, pool: TokenTree, nodes: torch.Tensor) -> list[tuple[int, dict[int, int]]]:
+        """Each node's longest context match: its context is the history followed by the node's path."""
+        parents, tokens = pool.parents.tolist(), pool.tokens.tolist()
+        longest = self._context.max_order
+        matches = []
+        for node in nodes.tolist():
+            path: list[int] = []
+            while node > 0 and len(path) < longest:
+                path.append(tokens[node])
+                node = parents[node]
+            context = self._history[len(path) - longest :] if len(path) < longest else []
+            matches.append(self._context.longest_match(context + path[::-1]))
+        return matches
+
+    def _sync_cache(self, history: list[int]) -> None:
+        """Cuts the cache back to the longest stretch that still matches ``history``, minus its last token."""
+        keep = min(_common_prefix_length(self.cached_ids, history), len(history) - 1)
+        accepted_slots: list[int] = []
+        if self._pool is not None and keep == len(self.cached_ids):
+            # The history continues from the last tree's root: keep the fed nodes along that continuation.
+            child_of = self._pool.child_index()
+            slots = self._pool_slots.tolist()
+            node = 0
+            for token in history[keep : len(history) - 1]:
+                node = child_of.get((node, token), -1)
+                if node < 0 or node >= len(slots) or slots[node] < 0:
+                    break
+                accepted_slots.append(slots[node])
+        compact_cache(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
+        self.cached_ids = history[: keep + len(accepted_slots)]
+        self._pool = None
+
+
+def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """Runs several sequences' feeds through ``model``, batching those of similar length.
+
+    Feeds are sorted by length and grouped so that padding is at most half of each batch: a long prompt prefill
+    runs alone instead of padding every tree expansion to its length.
+
+    Returns:
+        Per feed, in order, the float32 logits of its last ``num_logits`` tokens.
+    """
+    order = sorted(range(len(feeds)), key=lambda i: feeds[i].tokens.numel())
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        length = feeds[i].tokens.numel()
+        if groups and length * (len(groups[-1]) + 1) <= 2 * (real + length):
+            groups[-1].append(i)
+            real += length
+        else:
+            groups.append([i])
+            real = length
+    logits: list[torch.Tensor | None] = [None] * len(feeds)
+    for group in groups:
+        if len(group) == 1:
+            feed = feeds[group[0]]
+            logits[group[0]] = model_logits(
+                model, feed.tokens, feed.positions, feed.cache, feed.num_logits, feed.visible
+            )
+        else:
+            for i, group_logits in zip(group, _batched_logits(model, [feeds[i] for i in group])):
+                logits[i] = group_logits
+    return logits
+
+
+def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """One forward for several sequences with separate caches.
+
+    Row ``r`` of the batch holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the longest
+    cache) and its new tokens at ``[longest_cache, longest_cache + n_r)``; its mask is its own ``visible`` spread
+    over that layout. Padding queries see only themselves, so no softmax row is empty. Afterwards each feed's new
+    keys and values are appended to its own cache.
+    """
+    device = feeds[0].tokens.device
+    cache_lengths = [feed.cache.get_seq_length() for feed in feeds]
+    counts = [feed.tokens.numel() for feed in feeds]
+    longest_cache, longest_feed = max(cache_lengths), max(counts)
+    tokens = torch.zeros(len(feeds), longest_feed, dtype=torch.long, device=device)
+    positions = torch.zeros_like(tokens)
+    visible = torch.zeros(len(feeds), longest_feed, longest_cache + longest_feed, dtype=torch.bool, device=device)
+    diagonal = torch.arange(longest_feed, device=device)
+    visible[:, diagonal, longest_cache + diagonal] = True
+    for row, (feed, cached, count) in enumerate(zip(feeds, cache_lengths, counts)):
+        own = feed.visibility()
+        tokens[row, :count], positions[row, :count] = feed.tokens, feed.positions
+        visible[row, :count, :cached] = own[:, :cached]
+        visible[row, :count, longest_cache : longest_cache + count] = own[:, cached:]
+
+    batch_cache = DynamicCache(config=model.config)
+    if longest_cache:
+        template = next(feed.cache for feed, cached in zip(feeds, cache_lengths) if cached)
+        for index, layer in enumerate(template.layers):
+            keys = layer.keys.new_zeros(len(feeds), *layer.keys.shape[1:-2], longest_cache, layer.keys.shape[-1])
+            values = layer.values.new_zeros(
+                len(feeds), *layer.values.shape[1:-2], longest_cache, layer.values.shape[-1]
+            )
+            for row, (feed, cached) in enumerate(zip(feeds, cache_lengths)):
+                if cached:
+                    keys[row, ..., :cached, :] = feed.cache.layers[index].keys[0]
+                    values[row, ..., :cached, :] = feed.cache.layers[index].values[0]
+            batch_cache.update(keys, values, index)
+
+    # Logits only where some feed needs them: its last num_logits tokens.
+    needed = [torch.arange(count - feed.num_logits, count, device=device) for feed, count in zip(feeds, counts)]
+    keep = torch.unique(torch.cat(needed))
+    logits = batch_logits(model, tokens, positions, batch_cache, keep, visible)
+
+    for index, layer in enumerate(batch_cache.layers):
+        for row, (feed, count) in enumerate(zip(feeds, counts)):
+            new = slice(longest_cache, longest_cache + count)
+            keys, values = layer.keys[row : row + 1, :, new].clone(), layer.values[row : row + 1, :, new].clone()
+            feed.cache.update(keys, values, index)
+    return [logits[row, torch.searchsorted(keep, rows)] for row, rows in enumerate(needed)]
+
+
+@dataclass
+class TreeBatch:
+    """Trees grown together by :func:`grow_trees`.
+
+    Args:
+        results: One search result per request, in order.
+        draft_calls: Draft forward calls made for all of them together.
+    """
+
+    results: list[SearchResult]
+    draft_calls: int
+
+
+def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor, int | None]]) -> TreeBatch:
+    """Grows one SpecExec tree per request, sharing each round's draft forward among all requests.
+
+    Every round asks each unfinished search for its next nodes and runs all of them in one batched draft call
+    (see :func:`forward_feeds`), so ``R`` requests cost about as many draft calls as the slowest one alone. The
+    trees are the ones each generator's own :meth:`~SpecExecCandidateGenerator.grow_tree` would grow.
+
+    Args:
+        requests: ``(generator, input_ids [1, L], max_depth)`` per request; one generator per sequence, all on
+            the same draft model and using SpecExec's best-first search.
+    """
+    if not requests:
+        return TreeBatch([], 0)
+    generators = [generator for generator, _, _ in requests]
+    model = generators[0].draft_model
+    if any(g.draft_model is not model for g in generators) or len({id(g) for g in generators}) < len(generators):
+        raise ValueError("grow_trees needs one generator per request, all sharing one draft model.")
+    if any(g.search is not grow_tree for g in generators):
+        raise ValueError("grow_trees batches SpecExec's best-first search only; grow baseline trees one by one.")
+    searches = []
+    for generator, input_ids, max_depth in requests:
+        generator._begin_tree(input_ids)
+        searches.append(BestFirstSearch(generator._history[-1], generator.config, max_depth, generator._device))
+    calls = 0
+    while True:
+        work = [(i, nodes) for i, search in enumerate(searches) if (nodes := search.next_nodes()) is not None]
+        if not work:
+            break
+        feeds = [generators[i]._feed(searches[i].pool, nodes) for i, nodes in work]
+        calls += 1
+        for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
+            searches[i].add_expansion(nodes, generators[i]._absorb(searches[i].pool, nodes, logits))
+    return TreeBatch([search.result() for search in searches], calls)

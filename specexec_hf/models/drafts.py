@@ -1,0 +1,168 @@
+"""Drafts that share their target's embedding: construction and the exported file format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from ..hf.calibrated import CONTEXT_MATCH_ATTRIBUTE, GREEDY_TEMPERATURE_ATTRIBUTE
+from ..hf.compat import disable_sliding_window
+from .vocab import restrict_draft_vocabulary
+
+# Key of an export's JSON holding its greedy temperature fit (see specexec_hf.tools.calibrate).
+GREEDY_TEMPERATURE_KEY = "greedy_draft_temperature"
+CONTEXT_MATCH_KEY = "greedy_context_match"  # its context-match weights fit, at that temperature
+# Saved with a draft whose LM head scores a subset of the vocabulary (SubsetLMHead's buffer).
+HEAD_TOKEN_IDS = "lm_head.token_ids"
+INT8_SCALE_SUFFIX = ".int8_scale"  # beside a matrix exported as int8 (see quantize_rows_int8)
+
+
+def draft_config_from_target(
+    target_config: Any, num_hidden_layers: int, intermediate_size: int | None = None
+) -> LlamaConfig:
+    """A Llama config for a draft that matches the target's vocabulary, width and heads but is shallower.
+
+    Args:
+        target_config: Config of a Llama-style target (hidden size, heads, vocab, RoPE settings are copied).
+        num_hidden_layers: Decoder layers of the draft.
+        intermediate_size: MLP width; the target's when ``None``, so target layers can initialise draft layers.
+    """
+    if num_hidden_layers < 1:
+        raise ValueError(f"A draft needs at least one layer, got num_hidden_layers={num_hidden_layers}.")
+    default_head_dim = target_config.hidden_size // target_config.num_attention_heads
+    head_dim = getattr(target_config, "head_dim", None) or default_head_dim
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        tie_word_embeddings=True,
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def share_target_embeddings(draft: PreTrainedModel, target: PreTrainedModel) -> PreTrainedModel:
+    """Point the draft's input embedding and LM head at the target's tensors (shared, not copied).
+
+    Args:
+        draft: A draft built by :func:`draft_config_from_target`.
+        target: The target whose (tied) embedding the draft reuses.
+    """
+    target_embedding = target.get_input_embeddings()
+    if target_embedding.weight.shape != draft.get_input_embeddings().weight.shape:
+        raise ValueError(
+            f"Draft embedding shape {tuple(draft.get_input_embeddings().weight.shape)} differs from the target's "
+            f"{tuple(target_embedding.weight.shape)}."
+        )
+    draft.set_input_embeddings(target_embedding)
+    draft.set_output_embeddings(target.get_output_embeddings())
+    return draft
+
+
+def own_state_dict(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The draft's parameters without the shared embedding / LM head, as saved in a shipped draft file."""
+    shared = {"model.embed_tokens.weight", "lm_head.weight"}
+    return {name: tensor for name, tensor in draft.state_dict().items() if name not in shared}
+
+
+def build_draft(
+    target: PreTrainedModel, draft_config: LlamaConfig, own_weights: dict[str, torch.Tensor]
+) -> PreTrainedModel:
+    """Assemble a draft from its own weights and the target's shared embedding.
+
+    Args:
+        target: The target model (its embedding and LM head are shared with the draft).
+        draft_config: Draft architecture, e.g. from :func:`draft_config_from_target`.
+        own_weights: Decoder layers and final norm, as produced by :func:`own_state_dict`; with
+            ``lm_head.token_ids`` the draft's head scores only those tokens (see :mod:`specexec_hf.models.vocab`).
+    """
+    dtype = target.get_input_embeddings().weight.dtype
+    own_weights = dict(own_weights)
+    head_token_ids = own_weights.pop(HEAD_TOKEN_IDS, None)
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(draft_config)
+    share_target_embeddings(draft, target)
+    _, unexpected = draft.load_state_dict(own_weights, strict=False, assign=True)
+    unexpected = [name for name in unexpected if name not in ("model.embed_tokens.weight", "lm_head.weight")]
+    still_meta = [name for name, p in draft.named_parameters() if p.is_meta]
+    if unexpected or still_meta:
+        raise ValueError(f"Draft weights do not fit its config: missing {still_meta}, unexpected {unexpected}.")
+    # Non-persistent buffers (RoPE frequencies) were created on the meta device; rebuild them for real.
+    draft.model.rotary_emb = type(draft.model.rotary_emb)(config=draft_config)
+    draft.to(dtype)
+    if head_token_ids is not None:
+        restrict_draft_vocabulary(draft, head_token_ids)
+    return disable_sliding_window(draft).eval()
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 storage of a matrix: ``weight ~= q * scale[:, None]``, error at most ``scale / 2``.
+
+    Only a storage format (it halves a shipped fp16 draft): loading dequantizes, and the draft computes in its
+    target's dtype.
+
+    Args:
+        weight: ``[rows, columns]`` floating tensor.
+
+    Returns:
+        ``(q int8, scale float32 [rows])``.
+    """
+    scale = weight.detach().abs().amax(dim=1).float().clamp(min=1e-12) / 127
+    q = torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows_int8`, in float32."""
+    return q.float() * scale.float()[:, None]
+
+
+def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An exported draft's metadata (the ``.json`` beside ``weights_path``) and tensors, floating ones in ``dtype``.
+
+    Matrices exported as int8 (``NAME`` int8 beside ``NAME.int8_scale``) come back dequantized.
+
+    Args:
+        weights_path: A ``.safetensors`` file written by ``specexec-hf distill --stage export``.
+        dtype: Parameter dtype wanted (``lm_head.token_ids`` stays an integer tensor).
+    """
+    meta = json.loads(weights_path.with_suffix(".json").read_text())
+    stored = load_file(weights_path)
+    weights = {}
+    for name, tensor in stored.items():
+        if name.endswith(INT8_SCALE_SUFFIX):
+            continue
+        if name + INT8_SCALE_SUFFIX in stored:
+            tensor = dequantize_rows_int8(tensor, stored[name + INT8_SCALE_SUFFIX])
+        weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return meta, weights
+
+
+def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrainedModel:
+    """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype."""
+    meta, own_weights = read_draft_export(weights_path, target.get_input_embeddings().weight.dtype)
+    draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
+    draft = build_draft(target, draft_config, own_weights)
+    if GREEDY_TEMPERATURE_KEY in meta:  # written by `specexec-hf calibrate --write`
+        setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, float(meta[GREEDY_TEMPERATURE_KEY]["temperature"]))
+    if CONTEXT_MATCH_KEY in meta:
+        setattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, tuple(meta[CONTEXT_MATCH_KEY]["weights"]))
+    return draft
+
+

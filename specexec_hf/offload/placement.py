@@ -1,0 +1,209 @@
+"""Offloaded targets: the setting SpecExec is built for, where every target forward streams weights from slow memory.
+
+``load_offloaded`` places a target under a memory budget with accelerate (``infer_auto_device_map``) and runs it
+with one of two executors:
+
+- ``"accelerate"``: accelerate's own hooks (``dispatch_model``), which load every offloaded weight tensor by
+  tensor at the start of each module's forward and drop it afterwards, with no read-ahead.
+- ``"stream"``: a :class:`LayerStreamer` that keeps a small ring of buffers allocated once and, on a background
+  thread, copies the next offloaded module's weights from memory-mapped files (the safetensors checkpoint, or
+  accelerate's ``.dat`` offload files) into the ring while the current module computes. It reads the same bytes
+  as ``from_pretrained``, converts dtypes the same way and reproduces the memory alignment the weights would
+  have in memory, so outputs are bit for bit those of the in-memory model.
+
+Both executors place modules at the granularity of "weight units": decoder layers (the model's
+``_no_split_modules``) and the other modules that own parameters directly (embeddings, final norm, LM head).
+Modules without parameters (rotary embeddings) always stay on the execution device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..hf.compat import disable_sliding_window
+from .stream import LayerStreamer
+
+EXECUTORS = ("accelerate", "stream")
+DISK = "disk"
+
+
+def load_offloaded(
+    path_or_model: str | os.PathLike | PreTrainedModel,
+    max_memory: Mapping[int | str, int | str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    executor: str = "accelerate",
+    dtype: torch.dtype | None = None,
+    prefetch: int = 1,
+) -> PreTrainedModel:
+    """Loads a causal LM under a memory budget, modules that do not fit going to disk.
+
+    Args:
+        path_or_model: A checkpoint directory (or hub id) for ``from_pretrained``, or a model in memory, which is
+            dispatched in place (its offloaded weights are written to ``offload_folder`` and freed).
+        max_memory: Per-device budget as accelerate takes it, e.g. ``{0: "6GiB", "cpu": "12GiB"}``;
+            ``{"cpu": 0}`` puts every weight on disk. ``None`` lets accelerate use all available memory.
+        offload_folder: Where weights placed on disk are written. Needed for a model in memory; a safetensors
+            checkpoint is read in place, so there it is only needed for ``.bin`` checkpoints.
+        executor: ``"accelerate"`` (accelerate's hooks) or ``"stream"`` (:class:`LayerStreamer`, CPU only).
+        dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
+        prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing.
+
+    Returns:
+        The model in eval mode, with SDPA attention. For ``"stream"``, :func:`layer_streamer` returns its
+        streamer, whose ring buffers (``prefetch + 1`` of them, each as large as the largest streamed module it
+        serves) come on top of ``max_memory``, as accelerate's per-module loads do.
+
+    Raises:
+        ValueError: An unknown ``executor``, a ``prefetch`` below 1, or a model in memory that needs disk space
+            but got no ``offload_folder``.
+        NotImplementedError: ``executor="stream"`` with modules placed on a GPU.
+    """
+    if executor not in EXECUTORS:
+        raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)}.")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+        raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}.")
+    skeleton = _skeleton(path_or_model, dtype)
+    device_map = offload_device_map(skeleton, max_memory, dtype)
+    if executor == "stream" and any(not _is_cpu_or_disk(where) for where in device_map.values()):
+        raise NotImplementedError(
+            "executor='stream' streams disk-resident modules into CPU memory only; the CUDA variant (pinned host "
+            "buffers and a copy stream) is not implemented yet. Use executor='accelerate' with GPUs."
+        )
+    if isinstance(path_or_model, PreTrainedModel):
+        model = _dispatch_in_memory_model(path_or_model, device_map, offload_folder, dtype)
+    else:
+        model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
+    if executor == "stream":
+        LayerStreamer.install(model, [name for name, where in device_map.items() if where == DISK], prefetch)
+    return model.eval()
+
+
+def weight_units(model: nn.Module) -> list[str]:
+    """Names of the modules offloaded as one piece, in registration (for decoder LMs, execution) order.
+
+    A unit is the outermost module that is either one of the model's ``_no_split_modules`` (a decoder layer) or
+    owns parameters directly (embedding, norm, LM head).
+
+    Args:
+        model: The model, possibly on the meta device.
+    """
+    return _partition_modules(model)[0]
+
+
+def _partition_modules(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(weight units, outermost parameter-free modules such as rotary embeddings)``, in registration order."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    units: list[str] = []
+    parameter_free: list[str] = []
+
+    def visit(module: nn.Module, name: str) -> None:
+        if type(module).__name__ in no_split or any(p is not None for p in module._parameters.values()):
+            units.append(name)
+        elif next(module.parameters(), None) is None:
+            parameter_free.append(name)
+        else:
+            for child_name, child in module.named_children():
+                visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return units, parameter_free
+
+
+def offload_device_map(
+    model: nn.Module, max_memory: Mapping[int | str, int | str] | None, dtype: torch.dtype | None = None
+) -> dict[str, int | str]:
+    """accelerate's placement under ``max_memory``, expressed per weight unit (see :func:`weight_units`).
+
+    accelerate may place a whole subtree at once (``{"": "disk"}`` when nothing fits); restating it per unit
+    gives both executors layer-by-layer streaming, and keeps parameter-free modules off the disk (accelerate's
+    checkpoint loader cannot handle a map that is disk only).
+
+    Args:
+        model: The model, possibly on the meta device.
+        max_memory: Per-device budget as accelerate takes it; ``None`` means all available memory.
+        dtype: The dtype the weights will have, for their sizes.
+    """
+    from accelerate import infer_auto_device_map
+
+    placement = infer_auto_device_map(
+        model,
+        max_memory=dict(max_memory) if max_memory is not None else None,
+        no_split_module_classes=list(getattr(model, "_no_split_modules", None) or ()),
+        dtype=dtype,
+    )
+    main_device = next((where for where in placement.values() if not _is_cpu_or_disk(where)), "cpu")
+    units, parameter_free = _partition_modules(model)
+    device_map = {name: _placement_of(name, placement) for name in units}
+    device_map.update(dict.fromkeys(parameter_free, main_device))
+    return device_map
+
+
+def _placement_of(name: str, placement: Mapping[str, int | str]) -> int | str:
+    """The device of the deepest ``placement`` entry covering module ``name`` (or of the first entry inside it)."""
+    covering = [key for key in placement if key == "" or name == key or name.startswith(key + ".")]
+    if covering:
+        return placement[max(covering, key=len)]
+    return next(where for key, where in placement.items() if key.startswith(name + "."))
+
+
+def _is_cpu_or_disk(where: int | str) -> bool:
+    return where in ("cpu", DISK)
+
+
+def _skeleton(path_or_model: str | os.PathLike | PreTrainedModel, dtype: torch.dtype | None) -> nn.Module:
+    """The model itself, or an empty (meta) instance of the checkpoint's architecture to plan placement on."""
+    if isinstance(path_or_model, PreTrainedModel):
+        return path_or_model
+    from accelerate import init_empty_weights
+
+    config = AutoConfig.from_pretrained(path_or_model)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None))
+    skeleton.tie_weights()  # tied weights count once in the memory budget
+    return skeleton
+
+
+def _dispatch_checkpoint(
+    path: str | os.PathLike, device_map: dict[str, int | str], offload_folder: str | os.PathLike | None,
+    dtype: torch.dtype | None,
+) -> PreTrainedModel:
+    """``from_pretrained`` with the per-unit map: accelerate hooks read disk weights from the checkpoint itself."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        device_map=device_map,
+        offload_folder=offload_folder,
+        dtype=dtype or "auto",
+        attn_implementation="sdpa",
+    )
+    return disable_sliding_window(model)
+
+
+def _dispatch_in_memory_model(
+    model: PreTrainedModel, device_map: dict[str, int | str], offload_folder: str | os.PathLike | None,
+    dtype: torch.dtype | None,
+) -> PreTrainedModel:
+    """Writes the disk-placed weights to ``offload_folder`` and dispatches ``model`` with accelerate's hooks."""
+    from accelerate import dispatch_model
+    from accelerate.utils import extract_submodules_state_dict, offload_state_dict
+
+    if dtype is not None:
+        model.to(dtype)
+    disk_units = [name for name, where in device_map.items() if where == DISK]
+    if disk_units:
+        if offload_folder is None:
+            raise ValueError(
+                f"max_memory leaves {len(disk_units)} module(s) on disk ({disk_units[0]}, ...): pass offload_folder="
+                "<directory> to write their weights to."
+            )
+        # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
+        offload_state_dict(str(offload_folder), extract_submodules_state_dict(model.state_dict(), disk_units))
+    return dispatch_model(
+        disable_sliding_window(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
+    )
+
+
