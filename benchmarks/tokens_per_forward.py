@@ -1,8 +1,14 @@
-"""Tokens per target forward at the two extremes of draft quality, on the real SmolLM2-135M-Instruct target.
+"""Tokens per target forward across draft quality and tree ranking, on the real SmolLM2-135M-Instruct target.
 
-- draft == target: every step should accept the tree's whole top-1 chain plus the bonus token;
+Drafts:
+- draft == target: every step could accept a chain as long as the budget plus the bonus token;
+- the shipped distilled draft;
 - a random draft (a 2-layer Llama with random weights and the target's vocabulary): trees are guesses, so each
   forward yields about one token, which is the floor SpecExec never goes below.
+
+Rankings, side by side on every prompt: ``previous`` (the draft's probability, max_depth 16: the defaults before
+online calibration), ``draft probability`` (no depth cap) and ``calibrated`` (online acceptance calibration, the
+default; its map carries over from prompt to prompt as in a real session).
 
 Greedy output is checked against plain generate() for every prompt. Writes JSON and Markdown to
 benchmarks/results/tokens_per_forward/.
@@ -49,32 +55,40 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target, tokenizer = specexec_hf.load_default_target()
-    drafts = {"draft == target": target, "random 2-layer draft": random_draft(target)}
+    target, shipped, tokenizer = specexec_hf.load_default_pair()
+    drafts = {"draft == target": target, "shipped draft": shipped, "random 2-layer draft": random_draft(target)}
+    rankings = {
+        "previous": dict(acceptance_calibration=False, max_depth=16),
+        "draft probability": dict(acceptance_calibration=False),
+        "calibrated": dict(acceptance_calibration=True),
+    }
     rows = []
     for prompt in load_prompts("eval")[: args.prompts]:
         inputs = chat_inputs(tokenizer, prompt)
         expected = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
         for name, draft in drafts.items():
             for budget in args.budgets:
-                stats = specexec_hf.SpecExecStats()
-                out = target.generate(
-                    **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=draft,
-                    speculator="specexec", budget=budget, specexec_stats=stats,
-                )
-                rows.append(
-                    {
-                        "draft": name,
-                        "budget": budget,
-                        "identical_to_plain_greedy": out.tolist() == expected.tolist(),
-                        **stats.summary(),
-                    }
-                )
-                print(rows[-1], flush=True)
+                for ranking, knobs in rankings.items():
+                    stats = specexec_hf.SpecExecStats()
+                    out = target.generate(
+                        **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=draft,
+                        speculator="specexec", budget=budget, specexec_stats=stats, **knobs,
+                    )
+                    rows.append(
+                        {
+                            "draft": name,
+                            "budget": budget,
+                            "ranking": ranking,
+                            "identical_to_plain_greedy": out.tolist() == expected.tolist(),
+                            **stats.summary(),
+                        }
+                    )
+                    print({k: rows[-1][k] for k in ("draft", "budget", "ranking", "new_tokens", "target_forwards")},
+                          flush=True)
 
     summary = {}
     for row in rows:
-        key = f"{row['draft']} @ budget {row['budget']}"
+        key = (row["draft"], row["budget"], row["ranking"])
         entry = summary.setdefault(key, {"new_tokens": 0, "target_forwards": 0, "all_identical": True})
         entry["new_tokens"] += row["new_tokens"]
         entry["target_forwards"] += row["target_forwards"]
@@ -87,14 +101,24 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "machine": platform.platform(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "summary": summary,
+        "summary": [{"draft": d, "budget": b, "ranking": r, **entry} for (d, b, r), entry in summary.items()],
         "runs": rows,
     }
     (RESULTS / "tokens_per_forward.json").write_text(json.dumps(report, indent=2))
-    lines = ["| draft | budget | tokens per target forward | identical to plain greedy |", "|---|---|---|---|"]
-    for key, entry in summary.items():
-        draft, budget = key.split(" @ budget ")
-        lines.append(f"| {draft} | {budget} | {entry['tokens_per_target_forward']:.2f} | {entry['all_identical']} |")
+    lines = [
+        f"Command: `{report['command']}`; {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy; "
+        "tokens per target forward (outputs identical to plain greedy: all rows True below).",
+        "",
+        "| draft | budget | " + " | ".join(rankings) + " | calibrated / previous | identical |",
+        "|---|---|" + "---|" * (len(rankings) + 2),
+    ]
+    for draft in drafts:
+        for budget in args.budgets:
+            entries = [summary[(draft, budget, ranking)] for ranking in rankings]
+            values = [entry["tokens_per_target_forward"] for entry in entries]
+            identical = all(entry["all_identical"] for entry in entries)
+            lines.append(f"| {draft} | {budget} | " + " | ".join(f"{v:.2f}" for v in values)
+                         + f" | {values[-1] / values[0]:.2f}x | {identical} |")
     (RESULTS / "tokens_per_forward.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -139,11 +139,15 @@ def _parse_knob(name: str, annotation: str, value: Any) -> Any:
     if value.strip().lower() in ("", "none"):
         return None
     try:
+        if annotation == "bool":
+            if value.strip().lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.strip().lower() in ("true", "1")
         if "tuple" in annotation:  # comma-separated, e.g. context_match_weights "0.1,0.5"
             return tuple(float(part) for part in value.split(",") if part.strip())
         return float(value) if "float" in annotation else int(value)
     except ValueError as error:
-        raise ValueError(f"SpecExec setting {name}={value!r} is not a number (or comma-separated numbers).") from error
+        raise ValueError(f"SpecExec setting {name}={value!r} is not a number, numbers or true/false.") from error
 
 
 def sampled_verification_works(device: torch.device) -> bool:

@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -47,6 +49,14 @@ ARCHITECTURES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    # Windows far shorter than prompt + generation, so trees cross them (positions, not cache slots, count).
+    "mistral_sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 5}),
+    "qwen2_hybrid": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": 4, "head_dim": 8}),
 }
 
 

@@ -57,10 +57,12 @@ def test_fit_refuses_labels_the_draft_cannot_propose() -> None:
 
 
 def _greedy_steps(target, draft, prompt: torch.Tensor, **kwargs) -> tuple[list[tuple[int, int]], torch.Tensor]:
-    """Per step: tokens accepted and draft forwards (both depend on the tree's shape); and the output."""
+    """Per step: tokens accepted and draft forwards (both depend on the tree's shape); and the output. Online
+    acceptance calibration is off: it would carry what earlier calls learnt into later calls' trees."""
     stats = SpecExecStats()
     output = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
-                             assistant_model=draft, speculator="specexec", budget=24, specexec_stats=stats, **kwargs)
+                             assistant_model=draft, speculator="specexec", budget=24, specexec_stats=stats,
+                             acceptance_calibration=False, **kwargs)
     return [(step.accepted, step.draft_forwards) for step in stats.steps], output
 
 

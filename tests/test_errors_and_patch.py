@@ -57,10 +57,56 @@ def test_unknown_speculator(llama_pair):
         target.generate(IDS, max_new_tokens=3, assistant_model=draft, speculator="medusa")
 
 
-def test_padded_prompt(llama_pair):
+def test_padding_inside_the_prompt(llama_pair):
     target, draft = llama_pair
-    with pytest.raises(ValueError, match="unpadded prompt"):
-        specexec(target, draft, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="zeros before the first real token"):
+        specexec(target, draft, attention_mask=torch.tensor([[1, 0, 1, 1]]))
+
+
+def test_empty_prompt(llama_pair):
+    target, draft = llama_pair
+    with pytest.raises(ValueError, match="prompt is empty"):
+        specexec(target, draft, attention_mask=torch.tensor([[0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize("token", [-1, 64, 10**6])
+def test_out_of_vocabulary_prompt(llama_pair, token):
+    target, draft = llama_pair
+    with pytest.raises(ValueError, match=f"token id {token}, outside the target's vocabulary of 64"):
+        specexec(target, draft, ids=torch.tensor([[1, token, 3]]))
+
+
+def test_budget_beyond_memory_is_refused_before_allocating(llama_pair):
+    target, draft = llama_pair
+    with pytest.raises(ValueError, match=r"budget=10000000 needs about .* GiB .* largest budget that fits is about"):
+        specexec(target, draft, budget=10_000_000)
+
+
+def test_unused_model_input_is_refused_by_name(llama_pair):
+    target, draft = llama_pair
+    embeds = target.get_input_embeddings()(IDS)
+    with pytest.raises(ValueError, match=r"does not pass \['inputs_embeds'\]"):
+        target.generate(inputs_embeds=embeds, max_new_tokens=3, assistant_model=draft, speculator="specexec")
+
+
+def test_gpt_neo_local_attention_is_refused_up_front():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    config = GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                          attention_types=[[["global", "local"], 1]], attn_implementation="eager")
+    model = GPTNeoForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="causal bias is indexed by cache slot"):
+        specexec(model, model)
+
+
+def test_falcon_alibi_is_refused_up_front():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                          attn_implementation="sdpa")
+    model = FalconForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        specexec(model, model)
 
 
 def test_beam_search(llama_pair):
@@ -77,11 +123,19 @@ def test_attention_that_ignores_custom_masks(llama_pair):
         specexec(target, draft)
 
 
-def test_sliding_window_model(llama_pair):
+def test_recurrent_layers_are_refused_by_name(llama_pair):
     _, draft = llama_pair
-    target = tiny_model("mistral", seed=0)
-    target.config.sliding_window = 16
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+    target = tiny_model("qwen2_hybrid", seed=0)
+    target.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"\['linear_attention'\] layers"):
+        specexec(target, draft)
+
+
+def test_alibi_is_refused_up_front(llama_pair):
+    _, draft = llama_pair
+    target = tiny_model("llama", seed=0)
+    target.config.alibi = True
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
         specexec(target, draft)
 
 
@@ -108,9 +162,22 @@ def test_unverified_architecture_failing_the_probe_is_refused(monkeypatch):
         return original_logits(model, input_ids, torch.arange(input_ids.numel()), cache, num_logits)
 
     monkeypatch.setattr(compat, "model_logits", ignores_masks)
-    monkeypatch.setattr(compat, "_probed_classes", {})
+    monkeypatch.setattr(compat, "_probe_verdicts", {})
     with pytest.raises(UnsupportedModelError, match="does not honour custom 4-D masks"):
         compat.check_supported(target, "target")
+
+
+def test_probe_verdicts_are_kept_per_configuration(monkeypatch):
+    """Two configurations of one class are probed separately, each past its own window."""
+    from specexec_hf.hf import compat
+
+    monkeypatch.setattr(compat, "VERIFIED_MODEL_TYPES", frozenset())
+    monkeypatch.setattr(compat, "_probe_verdicts", {})
+    for window in (4, 9):
+        model = tiny_model("mistral_sliding", seed=0)
+        model.config.sliding_window = window
+        compat.check_supported(model, "target")
+    assert len(compat._probe_verdicts) == 2 and not any(compat._probe_verdicts.values())
 
 
 def test_patch_is_idempotent_and_reversible(llama_pair):

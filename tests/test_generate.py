@@ -213,3 +213,61 @@ def test_plain_and_assisted_generate_untouched_by_the_patch(llama_pair):
     plain = target.generate(ids, max_new_tokens=10, do_sample=False)
     assisted = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=draft)
     assert assisted.tolist() == plain.tolist()
+
+
+@given(seed=st.integers(0, 2**16), prompt_length=st.integers(1, 10), padding=st.integers(1, 4),
+       max_new_tokens=st.integers(1, 20))
+def test_left_padded_prompt_equals_plain_generate(seed, prompt_length, padding, max_new_tokens):
+    target = tiny_model("llama", seed=seed)
+    draft = perturbed_copy(target, 0.2, seed=seed + 1)
+    ids = torch.cat([torch.zeros(1, padding, dtype=torch.long), prompt(seed, prompt_length)], dim=-1)
+    mask = torch.cat([torch.zeros(1, padding, dtype=torch.long), torch.ones(1, prompt_length, dtype=torch.long)], -1)
+    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    expected = target.generate(ids, **kwargs)
+    assert target.generate(ids, assistant_model=draft, speculator="specexec", **kwargs).tolist() == expected.tolist()
+
+
+@given(seed=st.integers(0, 2**16), prompt_length=st.integers(1, 10), max_new_tokens=st.integers(1, 20),
+       budget=st.sampled_from([1, 4, 16]))
+def test_token_type_ids_extend_like_plain_generate(seed, prompt_length, max_new_tokens, budget):
+    """GPT-2 adds token-type embeddings: every tree node gets the prompt's last type, as generate() extends it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=None,
+                        eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    target = GPT2LMHeadModel(config).to(torch.float64).eval()
+    ids = prompt(seed, prompt_length)
+    types = torch.randint(0, 64, ids.shape, generator=torch.Generator().manual_seed(seed + 7))
+    kwargs = dict(token_type_ids=types, max_new_tokens=max_new_tokens, do_sample=False)
+    expected = target.generate(ids, **kwargs)
+    got = target.generate(ids, assistant_model=target, speculator="specexec", budget=budget, **kwargs)
+    assert got.tolist() == expected.tolist()
+
+
+@given(
+    arch=st.sampled_from(["llama", "qwen2_hybrid", "gemma2"]),
+    seed=st.integers(0, 2**16),
+    prompt_length=st.integers(1, 10),
+    max_new_tokens=st.integers(1, 16),
+    budget=st.sampled_from([1, 4, 16]),
+    noise=st.sampled_from([0.0, 0.2]),
+)
+def test_hidden_states_and_attentions_equal_plain_generate(arch, seed, prompt_length, max_new_tokens, budget, noise):
+    """Per new token, per layer: the prompt's (first token) or the fed token's hidden states, and attention rows
+    over every key plain decoding has at that point (eager attention returns the weights)."""
+    target = tiny_model(arch, seed=seed, attn_implementation="eager")
+    draft = perturbed_copy(target, noise, seed=seed + 1)
+    ids = prompt(seed, prompt_length)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                  output_hidden_states=True, output_attentions=True)
+    expected = target.generate(ids, **kwargs)
+    got = target.generate(ids, assistant_model=draft, speculator="specexec", budget=budget, **kwargs)
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    for ours, theirs in [(got.hidden_states, expected.hidden_states), (got.attentions, expected.attentions)]:
+        assert len(ours) == len(theirs) == max_new_tokens
+        for step_ours, step_theirs in zip(ours, theirs):
+            assert len(step_ours) == len(step_theirs)
+            for tensor_ours, tensor_theirs in zip(step_ours, step_theirs):
+                # Eager attention takes its softmax in float32: a tree row's extra masked keys move it by ~1e-7.
+                torch.testing.assert_close(tensor_ours, tensor_theirs, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,8 @@ class SpecExecConfig:
             ``"auto"`` lets ``generate()`` pick it before every step from the target's measured forward times
             and the running acceptance profile (see :mod:`specexec_hf.hf.autobudget`).
         max_depth: Deepest level a tree node may reach, so at most ``max_depth + 1`` tokens per target forward.
+            ``None``: no cap beyond the budget (a path holds at most ``budget`` nodes) and the tokens left, so a
+            confident draft can grow one deep chain.
         max_branch: Children considered per expanded node (the draft's top-k tokens there).
         expand_per_forward: How many frontier nodes one draft forward expands, all in one batched call.
         max_draft_forwards: Cap on draft forwards per tree after the first; ``None`` runs until no frontier node
@@ -27,22 +29,25 @@ class SpecExecConfig:
         context_match_weights: Weights of next-token guesses copied from earlier in the sequence, one per match
             length 1, 2, ... (see :mod:`specexec_hf.core.context_match`), each in ``[0, 1)``. ``None`` uses the
             draft's calibrated weights for greedy decoding and none when sampling; ``()`` turns context matching off.
-            Like
-            the temperature, it shapes the tree only.
+            Like the temperature, it shapes the tree only.
+        acceptance_calibration: Rank the tree by the estimated probability that the target accepts each path,
+            learnt from the verification walks as decoding goes (:mod:`specexec_hf.core.acceptance_map`), instead of
+            by the draft's probability alone. It shapes the tree only.
     """
 
     budget: int | Literal["auto"] = 64
-    max_depth: int = 16
+    max_depth: int | None = None
     max_branch: int = 16
     expand_per_forward: int = 16
     max_draft_forwards: int | None = None
     draft_temperature: float | None = None
     context_match_weights: tuple[float, ...] | None = None
+    acceptance_calibration: bool = True
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
             value = getattr(self, name)
-            if name == "budget" and value == "auto":  # resolved by generate() before every step
+            if (name, value) in (("budget", "auto"), ("max_depth", None)):  # "auto": resolved before every step
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SpecExecConfig.{name} must be a positive integer, got {value!r}.")
@@ -52,6 +57,10 @@ class SpecExecConfig:
             raise ValueError(
                 f"SpecExecConfig.max_draft_forwards must be None or a non-negative integer, got "
                 f"{self.max_draft_forwards!r}."
+            )
+        if not isinstance(self.acceptance_calibration, bool):
+            raise ValueError(
+                f"SpecExecConfig.acceptance_calibration must be True or False, got {self.acceptance_calibration!r}."
             )
         if self.draft_temperature is not None and not self.draft_temperature > 0:
             raise ValueError(
@@ -70,7 +79,10 @@ class SpecExecConfig:
 
     def depth_limit(self, max_depth: int | None = None) -> int:
         """``max_depth``, tightened by a per-tree limit (e.g. the tokens still allowed, minus the bonus token)."""
-        return self.max_depth if max_depth is None else min(max_depth, self.max_depth)
+        limits = [limit for limit in (self.max_depth, max_depth) if limit is not None]
+        if isinstance(self.budget, int):
+            limits.append(self.budget)
+        return min(limits, default=2**31)
 
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..core.config import SpecExecConfig
 from ..core.static_trees import best_first_nodes
@@ -35,7 +35,7 @@ from ..core.tree import TokenTree
 from ..core.verify import Acceptance
 from .cache_dir import cache_root
 from .compat import model_logits, node_logits
-from .kv import compact_cache
+from .kv import compact_cache, new_cache
 
 DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
 PROFILE_CONTEXT = 128  # tokens in the cache while timing, a typical prompt-plus-answer length
@@ -79,7 +79,7 @@ def measure_forward_profile(
     """
     device = model.get_input_embeddings().weight.device
     vocab = model.config.vocab_size
-    cache = DynamicCache(config=model.config)
+    cache = new_cache()
     context = torch.arange(PROFILE_CONTEXT, device=device) % vocab
     model_logits(model, context, torch.arange(PROFILE_CONTEXT, device=device), cache, 1)
     seconds = {}
@@ -209,7 +209,7 @@ class AutoBudget:
         expand_per_forward: int,
         acceptance: AcceptanceProfile,
         candidates: Sequence[int] = DEFAULT_CANDIDATES,
-        max_depth: int = SpecExecConfig().max_depth,
+        max_depth: int | None = None,
     ):
         self.target_seconds = target_seconds
         self.draft_forward_seconds = draft_forward_seconds
@@ -222,7 +222,7 @@ class AutoBudget:
 
     def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
         """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""
-        depth = self.max_depth if max_depth is None else min(max_depth, self.max_depth)
+        depth = min(limit for limit in (self.max_depth, max_depth, max(self.candidates)) if limit is not None)
         _, _, values = best_first_nodes(self.acceptance.rates(), max(self.candidates), depth)
         cumulative = [0.0]
         for value in values:

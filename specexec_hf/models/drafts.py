@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from ..hf.calibrated import CONTEXT_MATCH_ATTRIBUTE, GREEDY_TEMPERATURE_ATTRIBUTE
-from ..hf.compat import disable_sliding_window
+from ..hf.compat import use_sdpa_attention
 from .vocab import restrict_draft_vocabulary
 
 # Key of an export's JSON holding its greedy temperature fit (see specexec_hf.tools.calibrate).
@@ -108,7 +108,7 @@ def build_draft(
     draft.to(dtype)
     if head_token_ids is not None:
         restrict_draft_vocabulary(draft, head_token_ids)
-    return disable_sliding_window(draft).eval()
+    return use_sdpa_attention(draft).eval()
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..hf.compat import disable_sliding_window
+from ..hf.compat import use_sdpa_attention
 from .stream import LayerStreamer
 
 EXECUTORS = ("accelerate", "stream")
@@ -180,7 +180,7 @@ def _dispatch_checkpoint(
         dtype=dtype or "auto",
         attn_implementation="sdpa",
     )
-    return disable_sliding_window(model)
+    return use_sdpa_attention(model)
 
 
 def _dispatch_in_memory_model(
@@ -203,7 +203,7 @@ def _dispatch_in_memory_model(
         # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
         offload_state_dict(str(offload_folder), extract_submodules_state_dict(model.state_dict(), disk_units))
     return dispatch_model(
-        disable_sliding_window(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
+        use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
     )
 
 

@@ -1,0 +1,101 @@
+"""How likely the target is to accept a draft candidate, learnt from the verification walks as decoding goes.
+
+SpecExec keeps the tree nodes whose whole path is likeliest to be accepted. Ranking by the draft's own
+probability ``p`` assumes the target accepts a candidate with probability ``p``; a confident, correct draft is
+accepted far more often than that (under greedy verification a candidate is accepted whenever it is the target's
+argmax), a poor one less. Every walk shows, at each node it visits, which of that node's draft candidates the
+target picked, so the map ``p -> P(accepted)`` can be estimated online:
+
+- candidates are grouped by their rank among their siblings (the draft's top token, the second, the third, the
+  rest: under greedy verification the top token is accepted far more often than a sibling of equal ``p``) and
+  binned by ``log p``; each bin counts acceptances over trials, starting from a prior worth ``prior_strength``
+  trials at the identity (``P(accepted) = p``, i.e. the draft's own ranking until evidence arrives);
+- the bins' estimates are made non-decreasing in ``p`` (pool-adjacent-violators, weighted by trials), since a
+  likelier candidate is never less likely to be accepted;
+- a candidate's score is ``log P(accepted)``, interpolated linearly in ``log p`` between bin centres, plus a small
+  multiple of ``log p`` so that candidates in one flat stretch keep the draft's order.
+
+A node's cumulative score is then the estimated log-probability that its whole path is accepted (acceptances
+treated as independent). Only the tree changes: the target verifies whatever the tree holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Bin edges in draft probability; bins are [edge_i, edge_{i+1}).
+DEFAULT_EDGES = (0.0, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+TIE_BREAK = 1e-3  # weight of log p added to the score, far below any estimated difference between bins
+RANK_GROUPS = 4  # ranks 0, 1, 2 and 3+ are estimated separately
+
+
+class AcceptanceMap:
+    """Online estimate of ``P(target accepts a candidate | its draft probability)``.
+
+    Args:
+        prior_strength: Trials the identity prior is worth in each bin.
+        edges: Bin edges in draft probability, from 0 to 1.
+    """
+
+    def __init__(self, prior_strength: float = 8.0, edges: tuple[float, ...] = DEFAULT_EDGES):
+        if prior_strength <= 0:
+            raise ValueError(f"prior_strength must be positive, got {prior_strength!r}.")
+        if edges[0] != 0.0 or edges[-1] != 1.0 or list(edges) != sorted(set(edges)):
+            raise ValueError(f"edges must rise strictly from 0 to 1, got {edges!r}.")
+        self._log_edges = torch.log(torch.tensor(edges[1:-1], dtype=torch.float64))
+        lower, upper = torch.tensor(edges[:-1], dtype=torch.float64), torch.tensor(edges[1:], dtype=torch.float64)
+        self._centres = torch.where(lower > 0, (lower * upper).sqrt(), upper / 10)  # geometric, or a decade below
+        self._prior_accepted = prior_strength * self._centres
+        self._prior_trials = torch.full_like(self._centres, prior_strength)
+        self.accepted = torch.zeros(RANK_GROUPS, self._centres.numel(), dtype=torch.float64)
+        self.trials = torch.zeros_like(self.accepted)
+        self._curves: torch.Tensor | None = None
+
+    def _cells(self, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        bins = torch.bucketize(logprobs.detach().double().cpu(), self._log_edges, right=True)
+        return ranks.cpu().clamp(max=RANK_GROUPS - 1) * self._centres.numel() + bins
+
+    def observe(self, logprobs: torch.Tensor, ranks: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Counts candidates with draft log-probabilities ``logprobs`` and sibling ``ranks`` (0: the draft's top
+        token), and whether the target ``accepted`` each."""
+        cells = self._cells(logprobs, ranks).flatten()
+        size = self.trials.numel()
+        self.trials += torch.bincount(cells, minlength=size).double().view_as(self.trials)
+        self.accepted += torch.bincount(cells, weights=accepted.double().cpu().flatten(), minlength=size).view_as(
+            self.accepted
+        )
+        self._curves = None
+
+    def acceptance(self, rank: int = 0) -> torch.Tensor:
+        """Per bin, the estimated acceptance probability of a candidate of sibling rank ``rank`` (non-decreasing)."""
+        group = min(rank, RANK_GROUPS - 1)
+        weights = self._prior_trials + self.trials[group]
+        rates = ((self._prior_accepted + self.accepted[group]) / weights).tolist()
+        weights = weights.tolist()
+        # Pool adjacent violators: merge neighbouring bins until the rates never fall.
+        blocks: list[list[float]] = []  # [rate, weight, bin count]
+        for rate, weight in zip(rates, weights):
+            blocks.append([rate, weight, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                rate2, weight2, count2 = blocks.pop()
+                rate1, weight1, count1 = blocks.pop()
+                total = weight1 + weight2
+                blocks.append([(rate1 * weight1 + rate2 * weight2) / total, total, count1 + count2])
+        return torch.tensor([rate for rate, _, count in blocks for _ in range(count)], dtype=torch.float64)
+
+    def __call__(self, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        """Ranking scores for candidates with draft log-probabilities ``logprobs`` and sibling ``ranks`` (same
+        shape; the scores take ``logprobs``' dtype and device)."""
+        if self._curves is None:
+            self._curves = torch.log(torch.stack([self.acceptance(rank) for rank in range(RANK_GROUPS)]).clamp(1e-12))
+        x = torch.log(self._centres)
+        values = logprobs.double().cpu().clamp(min=float(x[0]), max=float(x[-1]))
+        right = torch.searchsorted(x, values.contiguous(), right=True).clamp(1, x.numel() - 1)
+        left = right - 1
+        fraction = (values - x[left]) / (x[right] - x[left])
+        curve = self._curves[ranks.cpu().clamp(max=RANK_GROUPS - 1)]
+        low, high = curve.gather(-1, left[..., None])[..., 0], curve.gather(-1, right[..., None])[..., 0]
+        scores = low + fraction * (high - low) + TIE_BREAK * logprobs.double().cpu()
+        return torch.where(torch.isfinite(logprobs.cpu()), scores, -math.inf).to(logprobs)

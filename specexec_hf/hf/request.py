@@ -1,0 +1,187 @@
+"""What a ``generate()`` call asks of SpecExec, checked before anything large is allocated.
+
+Everything ``generate()`` hands the ``custom_generate`` callable is either used the way plain decoding uses it
+(the prompt, left padding, per-token inputs such as ``token_type_ids``), replaced by SpecExec's own bookkeeping
+(the KV cache, ``use_cache``, ``logits_to_keep``, ``cache_position``, default ``position_ids``), or refused with
+a message naming it: nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+
+from .compat import logits_width
+
+# generate()'s own decoding bookkeeping and output flags, which SpecExec's loop replaces or honours itself.
+REPLACED_INPUTS = frozenset({
+    "use_cache", "logits_to_keep", "cache_position", "past_key_values", "position_ids", "output_attentions",
+    "output_hidden_states", "return_dict",
+})
+# Per-token inputs that plain decoding extends for every new token by repeating the last value.
+PER_TOKEN_INPUTS = ("token_type_ids",)
+# Bytes per (query, key) pair of a forward: the bool pattern, the float mask and one head's attention score.
+_PAIR_BYTES = 1 + 4 + 4
+
+
+@dataclass
+class Request:
+    """A validated call: the unpadded prompt and what plain decoding would feed alongside each token.
+
+    Args:
+        input_ids: ``[1, L]`` prompt without its left padding.
+        left_padding: ``[1, P]`` padding tokens, put back in front of the output.
+        per_token_inputs: ``{name: [1, L]}`` inputs such as ``token_type_ids``, for the unpadded prompt.
+    """
+
+    input_ids: torch.Tensor
+    left_padding: torch.Tensor
+    per_token_inputs: dict[str, torch.Tensor]
+
+    def inputs_for(self, start: int, length: int, num_nodes: int) -> dict[str, torch.Tensor]:
+        """Per-token inputs of a forward over committed tokens ``[start, length)`` and then ``num_nodes`` tree nodes;
+        tokens past the prompt take the prompt's last value, as ``generate()`` extends them."""
+        inputs = {}
+        for name, values in self.per_token_inputs.items():
+            prompt_part = values[:, start:length]
+            extension = values[:, -1:].expand(-1, max(length - max(start, values.shape[1]), 0) + num_nodes)
+            inputs[name] = torch.cat([prompt_part, extension], dim=-1)
+        return inputs
+
+
+def validate_request(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    synced_gpus: bool,
+) -> Request:
+    """Checks a ``generate()`` call for SpecExec and strips a batch-of-one prompt's left padding.
+
+    Raises:
+        ValueError: with what is wrong and what to do instead.
+    """
+    # generate() has already expanded the batch for beams and return sequences: name those first.
+    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
+        raise ValueError("SpecExec supports num_beams=1 and num_return_sequences=1 only.")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"SpecExec generates one sequence at a time, got a batch of {input_ids.shape[0]}. Call generate() per "
+            "prompt (batched serving is what the vLLM integration is for)."
+        )
+    if synced_gpus:
+        raise ValueError("SpecExec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
+        raise ValueError(
+            "SpecExec manages the target's KV cache itself: pass no past_key_values and leave cache_implementation "
+            f"unset (got {type(cache).__name__})."
+        )
+    handled = REPLACED_INPUTS | {"attention_mask", *PER_TOKEN_INPUTS}
+    unknown = sorted(name for name, value in model_kwargs.items() if _carries_something(value) and name not in handled)
+    if unknown:
+        raise ValueError(
+            f"SpecExec does not pass {unknown} to the target's tree forward, so it cannot guarantee the target's own "
+            "output with them; call generate() without them, or without speculator='specexec'."
+        )
+    padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
+    prompt = input_ids[:, padding:]
+    if padding and (generation_config.output_attentions or generation_config.output_hidden_states):
+        raise ValueError(
+            "SpecExec decodes a left-padded prompt without its padding, so it cannot return the padding's hidden "
+            "states or attentions: drop output_hidden_states/output_attentions, or the padding."
+        )
+    if prompt.shape[1] == 0:
+        raise ValueError(
+            "The prompt is empty: SpecExec continues a prompt, so pass at least one token (e.g. the BOS token)."
+        )
+    vocab = min(logits_width(model), model.get_input_embeddings().weight.shape[0])
+    outside = prompt[(prompt < 0) | (prompt >= vocab)]
+    if outside.numel():
+        raise ValueError(
+            f"The prompt holds token id {int(outside[0])}, outside the target's vocabulary of {vocab} ids: check that "
+            "it was encoded with the target's tokenizer."
+        )
+    positions = model_kwargs.get("position_ids")
+    if positions is not None and not torch.equal(
+        positions[:, padding:].cpu(), torch.arange(prompt.shape[1]).expand(positions.shape[0], -1)
+    ):
+        raise ValueError("SpecExec places the prompt at positions 0, 1, ...: drop the custom position_ids.")
+    per_token = {}
+    for name in PER_TOKEN_INPUTS:
+        values = model_kwargs.get(name)
+        if values is not None:
+            if values.shape != input_ids.shape:
+                raise ValueError(f"{name} has shape {tuple(values.shape)}; the prompt has {tuple(input_ids.shape)}.")
+            per_token[name] = values[:, padding:]
+    return Request(prompt, input_ids[:, :padding], per_token)
+
+
+def _carries_something(value: Any) -> bool:
+    """Whether a model input holds anything (``generate()`` adds some inputs as ``None`` or empty containers)."""
+    if isinstance(value, (dict, list, tuple)):
+        return len(value) > 0
+    return value is not None
+
+
+def _left_padding(attention_mask: torch.Tensor | None, length: int) -> int:
+    """How many leading tokens ``attention_mask`` pads away; refuses any other zero."""
+    if attention_mask is None:
+        return 0
+    row = attention_mask[0].bool()
+    padding = int((~row).cumprod(0).sum())  # the leading run of zeros
+    if not bool(row[padding:].all()) or attention_mask.shape[-1] != length:
+        raise ValueError(
+            "SpecExec takes an unpadded or left-padded prompt: the attention_mask may only hold zeros before the "
+            "first real token."
+        )
+    return padding
+
+
+def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: int, budget: int) -> None:
+    """Refuses a ``budget`` whose target forward cannot hold its masks and attention scores in memory.
+
+    The first forward scores the whole prompt plus ``budget + 1`` tree nodes against as many keys; its bool and
+    float masks and one head's attention scores grow with the square of that, the rest linearly.
+
+    Raises:
+        ValueError: naming the memory needed, what is free and the largest budget that fits.
+    """
+    available = _free_bytes(model.get_input_embeddings().weight.device)
+    if available is None:
+        return
+
+    width = model.config.get_text_config(decoder=True).hidden_size
+
+    def needed(nodes: int) -> int:
+        # The first forward feeds the prompt and the tree; later ones a few tokens and the tree, over a longer cache.
+        pairs = max((prompt_length + nodes) ** 2, (1 + nodes) * (max_length + nodes))
+        return pairs * _PAIR_BYTES + (prompt_length + nodes) * (16 * width + 4 * logits_width(model))
+
+    if needed(budget + 1) <= available:
+        return
+    low, high = 0, budget  # the largest budget that fits, by bisection
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if needed(middle + 1) <= available else (low, middle - 1)
+    raise ValueError(
+        f"budget={budget} needs about {needed(budget + 1) / 2**30:.1f} GiB for the target forward's masks and "
+        f"attention over {prompt_length + budget + 1} tokens, more than the {available / 2**30:.1f} GiB free "
+        + (f"here; the largest budget that fits is about {low}." if low else "here, for any budget.")
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory where the target computes (``None`` when it cannot be told)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
