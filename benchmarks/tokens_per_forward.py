@@ -52,11 +52,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-random-draft", action="store_true", help="leave out the random draft (slow, floor 1.0)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     target, shipped, tokenizer = specexec_hf.load_default_pair()
-    drafts = {"draft == target": target, "shipped draft": shipped, "random 2-layer draft": random_draft(target)}
+    drafts = {"draft == target": target, "shipped draft": shipped}
+    if not args.no_random_draft:
+        drafts["random 2-layer draft"] = random_draft(target)
     rankings = {
         "previous": dict(acceptance_calibration=False, max_depth=16),
         "draft probability": dict(acceptance_calibration=False),
