@@ -13,6 +13,13 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.view(-1, 1, *visible.shape[-2:])
 
 
+def causal_pattern(count: int, cache_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[count, cache_length + count]`` bool: ``count`` new tokens seeing the whole cache and, causally, each other."""
+    visible = torch.ones(count, cache_length + count, dtype=torch.bool, device=device)
+    visible[:, cache_length:] = visible[:, cache_length:].tril()
+    return visible
+
+
 def chain_and_tree_mask(cache_length: int, num_chain: int, ancestors: torch.Tensor) -> torch.Tensor:
     """Visibility for a forward that feeds a causal chain, then tree nodes 1.. of a tree rooted at its end.
 
@@ -27,10 +34,7 @@ def chain_and_tree_mask(cache_length: int, num_chain: int, ancestors: torch.Tens
     num_tree = ancestors.shape[0] - 1
     queries, keys = num_chain + num_tree, cache_length + num_chain + num_tree
     visible = torch.zeros(queries, keys, dtype=torch.bool, device=ancestors.device)
-    visible[:, :cache_length] = True
-    visible[:num_chain, cache_length : cache_length + num_chain] = torch.ones(
-        num_chain, num_chain, dtype=torch.bool, device=ancestors.device
-    ).tril()
-    visible[num_chain:, cache_length : cache_length + num_chain] = True
+    visible[:num_chain, : cache_length + num_chain] = causal_pattern(num_chain, cache_length, ancestors.device)
+    visible[num_chain:, : cache_length + num_chain] = True
     visible[num_chain:, cache_length + num_chain :] = ancestors[1:, 1:]
     return visible

@@ -18,6 +18,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, mix_context_guesses
+from ..core.masks import causal_pattern
 from ..core.search import BestFirstSearch, SearchFn, SearchResult, grow_tree
 from ..core.tree import TokenTree
 from .compat import batch_logits, check_supported, model_logits
@@ -54,10 +55,7 @@ class DraftFeed:
         """``visible``, with the causal pattern spelled out when it is ``None``."""
         if self.visible is not None:
             return self.visible
-        count, cache_length = self.tokens.numel(), self.cache.get_seq_length()
-        visible = torch.ones(count, cache_length + count, dtype=torch.bool, device=self.tokens.device)
-        visible[:, cache_length:] = visible[:, cache_length:].tril()
-        return visible
+        return causal_pattern(self.tokens.numel(), self.cache.get_seq_length(), self.tokens.device)
 
 
 class SpecExecCandidateGenerator(CandidateGenerator):

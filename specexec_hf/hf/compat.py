@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.masks import additive_mask, chain_and_tree_mask
+from ..core.masks import additive_mask, causal_pattern, chain_and_tree_mask
 from .attention_spans import SUPPORTED_LAYER_TYPES, attention_spans, decoder_layer_types, span_masks
-from .kv import new_cache, record_positions, slot_positions
+from .kv import new_cache, record_positions
 
 # Families whose attention is known to honour a custom 4-D mask together with explicit position_ids; the
 # test suite checks each of them against plain generate(). Others are probed numerically per configuration.
@@ -128,16 +128,14 @@ def forward_inputs(
     kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
     kwargs.update(extra_inputs or {})
     spans = attention_spans(model.config)
-    key_positions = torch.cat([slot_positions(cache, position_ids.shape[0], position_ids.device), position_ids], -1)
-    record_positions(cache, position_ids)
+    key_positions = record_positions(cache, position_ids)
     if all(span.is_full for span in spans.values()):
         if visible is not None:
             kwargs["attention_mask"] = additive_mask(visible, model.dtype)
         return kwargs
     if visible is None:
-        count, cached = position_ids.shape[-1], key_positions.shape[-1] - position_ids.shape[-1]
-        visible = torch.ones(count, cached + count, dtype=torch.bool, device=position_ids.device)
-        visible[:, cached:] = visible[:, cached:].tril()
+        count = position_ids.shape[-1]
+        visible = causal_pattern(count, key_positions.shape[-1] - count, position_ids.device)
         visible = visible.expand(position_ids.shape[0], -1, -1)
     masks = {kind: additive_mask(mask, model.dtype) for kind, mask in
              span_masks(visible, position_ids, key_positions, spans).items()}

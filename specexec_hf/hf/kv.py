@@ -35,10 +35,12 @@ def slot_positions(cache: DynamicCache, batch: int = 1, device: torch.device | s
     return torch.arange(cache.get_seq_length(), device=device).expand(batch, -1)
 
 
-def record_positions(cache: DynamicCache, positions: torch.Tensor) -> None:
-    """Notes that the tokens at ``[batch, n]`` ``positions`` are being appended to ``cache``."""
+def record_positions(cache: DynamicCache, positions: torch.Tensor) -> torch.Tensor:
+    """Notes that the tokens at ``[batch, n]`` ``positions`` are being appended to ``cache``; returns the positions
+    of all its slots with them, ``[batch, cache length + n]``."""
     previous = slot_positions(cache, positions.shape[0], positions.device)
     _slot_positions[cache] = torch.cat([previous, positions], dim=-1)
+    return _slot_positions[cache]
 
 
 def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) -> None:

@@ -55,6 +55,9 @@ METHODS = ("autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", 
 TREE_METHODS = ("specexec", "specexec_draft_only", "specinfer", "sequoia")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
+# A depth for every tree method: the static trees' shapes are built for one (uncapped, SpecInfer-style beams would
+# collapse into a single chain), and the kept runs used it.
+TREE_MAX_DEPTH = 16
 DEFAULT_RESULTS = Path("runs") / "bench"  # the kept results pass --out benchmarks/results/<benchmark>
 
 
@@ -575,8 +578,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budgets", type=int, nargs="+",
                         help="Budgets for SpecInfer, Sequoia and specexec_draft_only (default: --budgets).")
     defaults = SpecExecConfig()
-    parser.add_argument("--max-depth", type=int, default=defaults.max_depth,
-                        help=f"Deepest tree level of every tree method (default {defaults.max_depth}).")
+    parser.add_argument("--max-depth", type=int, default=TREE_MAX_DEPTH,
+                        help=f"Deepest tree level of every tree method (default {TREE_MAX_DEPTH}).")
     parser.add_argument("--max-branch", type=int, default=defaults.max_branch,
                         help="SpecExec's children per expanded node, and the ranks of Sequoia's acceptance vector "
                         f"(default {defaults.max_branch}).")
