@@ -35,14 +35,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 SLOW_MODULES = {"test_models.py", "test_smollm2.py", "test_vllm.py", "test_distill.py"}
 
 
+CUDA_AVAILABLE = torch.cuda.is_available()
+# Parametrize a test with `@pytest.mark.parametrize("device", DEVICES)`: it always runs on the CPU, and on CUDA
+# too where a GPU is present (`pytest -m cuda` selects only the CUDA cases).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: loads real models, starts vLLM engines or runs distillation")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one (`pytest -m cuda` runs them)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if not CUDA_AVAILABLE and item.get_closest_marker("cuda") is not None:
+            item.add_marker(no_cuda)
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -114,6 +124,12 @@ def perturbed_copy(model, noise: float, seed: int):
 def llama_pair():
     target = tiny_model("llama", seed=0)
     return target, perturbed_copy(target, 0.05, seed=1)
+
+
+def on_device(device: str, *tensors_or_models):
+    """The given models and tensors moved to ``device`` (built on the CPU first, so seeds give the same weights)."""
+    moved = tuple(item.to(device) for item in tensors_or_models)
+    return moved[0] if len(moved) == 1 else moved
 
 
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from conftest import ARCHITECTURES, DEVICES, on_device, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -27,16 +28,18 @@ def assert_cache_prefix_equal(cache: DynamicCache, reference: DynamicCache) -> N
         torch.testing.assert_close(ours.values[..., :length, :], theirs.values)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(
     arch=st.sampled_from(sorted(ARCHITECTURES)),
     seed=st.integers(0, 2**16),
     budget=st.integers(1, 24),
     max_new_tokens=st.integers(1, 24),
 )
-def test_target_cache_after_generate_equals_recomputation(arch, seed, budget, max_new_tokens):
+def test_target_cache_after_generate_equals_recomputation(device, arch, seed, budget, max_new_tokens):
     target = tiny_model(arch, seed=seed)
     draft = perturbed_copy(target, 0.05, seed=seed + 1)
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(seed))
+    target, draft, ids = on_device(device, target, draft, ids)
     out = target.generate(
         ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
         assistant_model=draft, speculator="specexec", budget=budget,
@@ -46,11 +49,13 @@ def test_target_cache_after_generate_equals_recomputation(arch, seed, budget, ma
     assert_cache_prefix_equal(cache, recomputed_cache(target, out.sequences[:, :-1]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(seed=st.integers(0, 2**16), budget=st.integers(2, 24), steps=st.integers(1, 5), data=st.data())
-def test_draft_cache_reuses_accepted_nodes_and_matches_recomputation(seed, budget, steps, data):
+def test_draft_cache_reuses_accepted_nodes_and_matches_recomputation(device, seed, budget, steps, data):
     draft = tiny_model("llama", seed=seed)
-    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=budget, expand_per_forward=4))
     history = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed))
+    draft, history = on_device(device, draft, history)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=budget, expand_per_forward=4))
     for _ in range(steps):
         tree = generator.grow_tree(history).tree
         assert generator.cached_ids == history[0].tolist()
@@ -58,7 +63,8 @@ def test_draft_cache_reuses_accepted_nodes_and_matches_recomputation(seed, budge
         # Accept a random root-to-node path plus a bonus token, as a verifier would.
         node = data.draw(st.integers(0, tree.num_nodes - 1))
         bonus = data.draw(st.integers(0, 63))
-        history = torch.cat([history, tree.path_tokens(node)[None], torch.tensor([[bonus]])], dim=-1)
+        path = tree.path_tokens(node)[None].to(device)
+        history = torch.cat([history, path, torch.tensor([[bonus]], device=device)], dim=-1)
     # A history that diverges from what the cache holds is handled by cutting back to the common prefix.
     diverged = torch.cat([history[:, :3], (history[:, 3:] + 1) % 64], dim=-1)
     generator.grow_tree(diverged)
@@ -79,17 +85,19 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
     assert generator.cache.get_seq_length() == len(generator.cached_ids) < fed_before
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(arch=st.sampled_from(sorted(ARCHITECTURES)), seed=st.integers(0, 2**16), hooked_head=st.booleans())
-def test_node_logits_on_demand_equal_the_full_forward(arch, seed, hooked_head):
+def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, hooked_head):
     from specexec_hf.hf.compat import VERIFIED_MODEL_TYPES, model_logits, node_logits
 
-    model = tiny_model(arch, seed=seed)
+    model = tiny_model(arch, seed=seed).to(device)
     if hooked_head:  # e.g. an offloading hook: the head must then run inside the model's own forward
         model.lm_head.register_forward_pre_hook(lambda module, args: None)
     tokens = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
     visible = torch.ones(9, 9, dtype=torch.bool).tril()
     visible[6:, 3:6] = False  # three nodes under token 2 that do not see each other's siblings
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5])
+    tokens, visible, positions = on_device(device, tokens, visible, positions)
     expected = model_logits(model, tokens, positions, new_cache(), 7, visible)
     lazy = node_logits(model, tokens, positions, new_cache(), 7, visible)
     assert (lazy.hidden is None) == (hooked_head or model.config.model_type not in VERIFIED_MODEL_TYPES)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
-from conftest import ARCHITECTURES, perturbed_copy, tiny_model, tiny_tokenizer
+from conftest import ARCHITECTURES, DEVICES, on_device, perturbed_copy, tiny_model, tiny_tokenizer
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -25,6 +28,7 @@ def prompt(seed: int, length: int, vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(
     arch=st.sampled_from(sorted(ARCHITECTURES)),
     seed=st.integers(0, 2**16),
@@ -34,10 +38,10 @@ def prompt(seed: int, length: int, vocab: int = 64) -> torch.Tensor:
     knobs=knobs,
     entry=st.sampled_from(["speculator", "custom_generate"]),
 )
-def test_greedy_equals_plain_generate(arch, seed, noise, prompt_length, max_new_tokens, knobs, entry):
+def test_greedy_equals_plain_generate(device, arch, seed, noise, prompt_length, max_new_tokens, knobs, entry):
     target = tiny_model(arch, seed=seed)
     draft = perturbed_copy(target, noise, seed=seed + 1)
-    ids = prompt(seed, prompt_length)
+    target, draft, ids = on_device(device, target, draft, prompt(seed, prompt_length))
     expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     stats = SpecExecStats()
     route = {"speculator": "specexec"} if entry == "speculator" else {"custom_generate": specexec_hf.generate}
@@ -50,11 +54,11 @@ def test_greedy_equals_plain_generate(arch, seed, noise, prompt_length, max_new_
     assert all(step.tree_size <= knobs["budget"] + 1 for step in stats.steps)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(seed=st.integers(0, 2**16), eos_at=st.integers(0, 15), knobs=knobs, noise=st.sampled_from([0.0, 0.05]))
-def test_eos_inside_the_tree_stops_like_plain_generate(seed, eos_at, knobs, noise):
+def test_eos_inside_the_tree_stops_like_plain_generate(device, seed, eos_at, knobs, noise):
     target = tiny_model("llama", seed=seed)
-    draft = perturbed_copy(target, noise, seed=seed + 1)
-    ids = prompt(seed, 5)
+    target, draft, ids = on_device(device, target, perturbed_copy(target, noise, seed=seed + 1), prompt(seed, 5))
     free_run = target.generate(ids, max_new_tokens=16, do_sample=False)
     # Two EOS ids, one of which the target emits at step `eos_at`: generation must end right there.
     eos = [int(free_run[0, 5 + eos_at]), 63]
@@ -124,11 +128,11 @@ processor_settings = st.sampled_from(
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(seed=st.integers(0, 2**16), settings=processor_settings, knobs=knobs)
-def test_logits_processors_see_each_nodes_own_path(seed, settings, knobs):
+def test_logits_processors_see_each_nodes_own_path(device, seed, settings, knobs):
     target = tiny_model("qwen3", seed=seed)
-    draft = perturbed_copy(target, 0.02, seed=seed + 1)
-    ids = prompt(seed, 5)
+    target, draft, ids = on_device(device, target, perturbed_copy(target, 0.02, seed=seed + 1), prompt(seed, 5))
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, **settings)
     got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft, speculator="specexec", **settings, **knobs)
     assert got.tolist() == expected.tolist()
@@ -161,9 +165,9 @@ def test_draft_equal_to_target_accepts_the_whole_top1_chain(seed, knobs):
         assert step.accepted == chain + 1
 
 
-def test_return_dict_scores_logits_and_stats(llama_pair):
-    target, draft = llama_pair
-    ids = prompt(3, 6)
+@pytest.mark.parametrize("device", DEVICES)
+def test_return_dict_scores_logits_and_stats(llama_pair, device):
+    target, draft, ids = on_device(device, *copy.deepcopy(llama_pair), prompt(3, 6))
     kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
     expected = target.generate(ids, **kwargs)
     got = target.generate(ids, **kwargs, assistant_model=draft, speculator="specexec", budget=8)
@@ -215,13 +219,15 @@ def test_plain_and_assisted_generate_untouched_by_the_patch(llama_pair):
     assert assisted.tolist() == plain.tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(seed=st.integers(0, 2**16), prompt_length=st.integers(1, 10), padding=st.integers(1, 4),
        max_new_tokens=st.integers(1, 20))
-def test_left_padded_prompt_equals_plain_generate(seed, prompt_length, padding, max_new_tokens):
+def test_left_padded_prompt_equals_plain_generate(device, seed, prompt_length, padding, max_new_tokens):
     target = tiny_model("llama", seed=seed)
     draft = perturbed_copy(target, 0.2, seed=seed + 1)
     ids = torch.cat([torch.zeros(1, padding, dtype=torch.long), prompt(seed, prompt_length)], dim=-1)
     mask = torch.cat([torch.zeros(1, padding, dtype=torch.long), torch.ones(1, prompt_length, dtype=torch.long)], -1)
+    target, draft, ids, mask = on_device(device, target, draft, ids, mask)
     kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     expected = target.generate(ids, **kwargs)
     assert target.generate(ids, assistant_model=draft, speculator="specexec", **kwargs).tolist() == expected.tolist()

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_model
+from conftest import on_device, perturbed_copy, tiny_model
 from scipy.stats import chisquare
 from transformers import (
     LogitsProcessorList,
@@ -47,10 +47,10 @@ def exact_distribution(model, warpers: LogitsProcessorList) -> dict[tuple[int, .
 
     distribution = {}
     for continuation in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
-        probability, ids = 1.0, PROMPT
+        probability, ids = 1.0, PROMPT.to(model.device)
         for token in continuation:
             probability *= float(next_probs(ids)[token])
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=-1)
+            ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=-1)
         distribution[continuation] = probability
     return distribution
 
@@ -72,27 +72,33 @@ def chi_square_p(counts: dict, distribution: dict) -> float:
     return float(chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue)
 
 
+CASES = {
+    "temperature": ({"temperature": 0.5}, None),
+    "top_k": ({"temperature": 1.5, "top_k": 3}, None),
+    "top_p": ({"temperature": 1.2, "top_p": 0.7}, None),
+    "context_match": ({"temperature": 0.5}, (0.6, 0.9)),  # trees also ranked by guesses copied from the prompt
+}
+# On CUDA two cases, so that `pytest -m cuda` fits a GPU check of a few minutes: the device changes where the
+# sampling runs, not which processors shape the distribution.
+CUDA_CASES = ("temperature", "top_p")
+
+
 @pytest.mark.parametrize(
-    "settings, context_match_weights",
-    [
-        ({"temperature": 0.5}, None),
-        ({"temperature": 1.5, "top_k": 3}, None),
-        ({"temperature": 1.2, "top_p": 0.7}, None),
-        ({"temperature": 0.5}, (0.6, 0.9)),  # trees also ranked by guesses copied from the prompt
-    ],
-    ids=["temperature", "top_k", "top_p", "context_match"],
+    "settings, context_match_weights, device",
+    [pytest.param(*CASES[name], "cpu", id=name) for name in CASES]
+    + [pytest.param(*CASES[name], "cuda", id=f"{name}-cuda", marks=pytest.mark.cuda) for name in CUDA_CASES],
 )
-def test_samples_follow_the_targets_processed_distribution(settings, context_match_weights):
+def test_samples_follow_the_targets_processed_distribution(settings, context_match_weights, device):
     target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
-    draft = perturbed_copy(target, 0.3, seed=12)
+    target, draft, prompt = on_device(device, target, perturbed_copy(target, 0.3, seed=12), PROMPT)
     distribution = exact_distribution(target, processors(settings))
     assert sum(distribution.values()) == pytest.approx(1.0)
 
-    torch.manual_seed(2024)
+    torch.manual_seed(2024)  # seeds the CUDA generators too
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(SAMPLES):
         out = target.generate(
-            PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, **{"top_k": None, "top_p": None, **settings},
+            prompt, do_sample=True, max_new_tokens=NEW_TOKENS, **{"top_k": None, "top_p": None, **settings},
             assistant_model=draft, speculator="specexec", budget=6, max_branch=3,
             context_match_weights=context_match_weights,
         )

@@ -9,7 +9,10 @@ with one of two executors:
   thread, copies the next offloaded module's weights from memory-mapped files (the safetensors checkpoint, or
   accelerate's ``.dat`` offload files) into the ring while the current module computes. It reads the same bytes
   as ``from_pretrained``, converts dtypes the same way and reproduces the memory alignment the weights would
-  have in memory, so outputs are bit for bit those of the in-memory model.
+  have in memory, so outputs are bit for bit those of the in-memory model. When ``max_memory`` names a GPU, it
+  is a :class:`~.device_stream.DeviceLayerStreamer` instead: units that fit the GPU budget stay resident, the
+  others are copied from exact-size pinned host buffers (or, from disk, through pinned staging) into a fixed ring
+  on the GPU on a copy stream ordered by CUDA events (:func:`stream_on_device`).
 
 Both executors place modules at the granularity of "weight units": decoder layers (the model's
 ``_no_split_modules``) and the other modules that own parameters directly (embeddings, final norm, LM head).
@@ -26,6 +29,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..hf.compat import use_sdpa_attention
+from .device import StreamDevice
+from .device_stream import DeviceLayerStreamer
 from .stream import LayerStreamer
 
 EXECUTORS = ("accelerate", "stream")
@@ -49,19 +54,21 @@ def load_offloaded(
             ``{"cpu": 0}`` puts every weight on disk. ``None`` lets accelerate use all available memory.
         offload_folder: Where weights placed on disk are written. Needed for a model in memory; a safetensors
             checkpoint is read in place, so there it is only needed for ``.bin`` checkpoints.
-        executor: ``"accelerate"`` (accelerate's hooks) or ``"stream"`` (:class:`LayerStreamer`, CPU only).
+        executor: ``"accelerate"`` (accelerate's hooks) or ``"stream"``: :class:`LayerStreamer` when everything is
+            on the CPU or disk; with a GPU in ``max_memory``, :class:`~.device_stream.DeviceLayerStreamer`, which
+            keeps the units that fit the GPU budget resident and streams the others through a ring on the GPU.
         dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
         prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing.
 
     Returns:
         The model in eval mode, with SDPA attention. For ``"stream"``, :func:`layer_streamer` returns its
         streamer, whose ring buffers (``prefetch + 1`` of them, each as large as the largest streamed module it
-        serves) come on top of ``max_memory``, as accelerate's per-module loads do.
+        serves, on the execution device) come on top of ``max_memory``, as accelerate's per-module loads do.
 
     Raises:
-        ValueError: An unknown ``executor``, a ``prefetch`` below 1, or a model in memory that needs disk space
-            but got no ``offload_folder``.
-        NotImplementedError: ``executor="stream"`` with modules placed on a GPU.
+        ValueError: An unknown ``executor``, a ``prefetch`` below 1, a model in memory that needs disk space
+            but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU.
+        RuntimeError: ``executor="stream"`` with a GPU in ``max_memory`` and no CUDA available to torch.
     """
     if executor not in EXECUTORS:
         raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)}.")
@@ -69,17 +76,62 @@ def load_offloaded(
         raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}.")
     skeleton = _skeleton(path_or_model, dtype)
     device_map = offload_device_map(skeleton, max_memory, dtype)
-    if executor == "stream" and any(not _is_cpu_or_disk(where) for where in device_map.values()):
-        raise NotImplementedError(
-            "executor='stream' streams disk-resident modules into CPU memory only; the CUDA variant (pinned host "
-            "buffers and a copy stream) is not implemented yet. Use executor='accelerate' with GPUs."
-        )
+    execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
+    if executor == "stream" and execution_devices:
+        if len(execution_devices) > 1:
+            raise ValueError(
+                "executor='stream' runs on one accelerator, but max_memory spreads modules over "
+                f"{sorted(map(str, execution_devices))}: give max_memory a single GPU plus 'cpu' (and disk), e.g. "
+                "{0: '6GiB', 'cpu': '60GiB'}."
+            )
+        from .device import CudaDevice
+
+        device = CudaDevice(execution_devices.pop())
+        return stream_on_device(path_or_model, device_map, device, offload_folder, dtype, prefetch)
     if isinstance(path_or_model, PreTrainedModel):
         model = _dispatch_in_memory_model(path_or_model, device_map, offload_folder, dtype)
     else:
         model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
     if executor == "stream":
         LayerStreamer.install(model, [name for name, where in device_map.items() if where == DISK], prefetch)
+    return model.eval()
+
+
+def stream_on_device(
+    path_or_model: str | os.PathLike | PreTrainedModel,
+    device_map: Mapping[str, int | str],
+    device: StreamDevice,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    prefetch: int = 1,
+) -> PreTrainedModel:
+    """Runs a model on an accelerator under ``device_map``, streaming its CPU- and disk-placed units.
+
+    The model is first dispatched on the host (units placed on disk offloaded as for the CPU executor, every other
+    unit in RAM), then :class:`~.device_stream.DeviceLayerStreamer` moves the resident units to ``device`` and packs
+    each RAM-placed unit into one pinned host buffer. ``load_offloaded(..., executor="stream")`` calls this with a
+    :class:`~.device.CudaDevice` when ``max_memory`` names a GPU; tests call it with
+    :class:`~.device.OrderCheckingDevice`.
+
+    Args:
+        path_or_model: As for :func:`load_offloaded`.
+        device_map: A placement per weight unit (:func:`offload_device_map`): ``"cpu"`` and ``"disk"`` units are
+            streamed, any other value means resident on ``device``.
+        device: The device operations.
+        offload_folder: As for :func:`load_offloaded`.
+        dtype: As for :func:`load_offloaded`.
+        prefetch: Units loaded ahead of the one computing (the device ring has ``prefetch + 1`` slots).
+
+    Returns:
+        The model in eval mode; ``hf_device_map`` is ``device_map``.
+    """
+    host_map = {name: where if _is_cpu_or_disk(where) else "cpu" for name, where in device_map.items()}
+    if isinstance(path_or_model, PreTrainedModel):
+        model = _dispatch_in_memory_model(path_or_model, host_map, offload_folder, dtype)
+    else:
+        model = _dispatch_checkpoint(path_or_model, host_map, offload_folder, dtype)
+    DeviceLayerStreamer.install_on_device(model, device_map, device, prefetch)
+    model.hf_device_map = dict(device_map)
     return model.eval()
 
 
@@ -194,6 +246,12 @@ def _dispatch_in_memory_model(
     if dtype is not None:
         model.to(dtype)
     disk_units = [name for name, where in device_map.items() if where == DISK]
+    quantized = next((name for name in disk_units if _holds_tensor_subclass(model.get_submodule(name))), None)
+    if quantized is not None:
+        raise ValueError(
+            f"max_memory puts {quantized}, which holds quantized (tensor-subclass) weights, on disk; these stream from "
+            "CPU RAM only: raise max_memory['cpu'] so that nothing goes to disk."
+        )
     if disk_units:
         if offload_folder is None:
             raise ValueError(
@@ -207,3 +265,8 @@ def _dispatch_in_memory_model(
     )
 
 
+
+
+def _holds_tensor_subclass(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter that is a tensor subclass, as quantized weights are."""
+    return any(type(parameter) not in (torch.Tensor, nn.Parameter) for parameter in module.parameters())

@@ -7,7 +7,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -89,13 +89,75 @@ class _StoredWeight:
 
 
 @dataclass
+class _HeldWeight:
+    """A weight held in host memory: a unit placed in CPU RAM, for the device executor to pin."""
+
+    held: torch.Tensor
+    file = None
+    offset = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.held.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _span_bytes(self.held)
+
+    def tensor(self) -> torch.Tensor:
+        return self.held
+
+
+@dataclass
 class _OffloadedParameter:
-    """A parameter of a streamed unit, still on the meta device, and where its weights are stored."""
+    """A parameter of a streamed unit (on the meta device, or in host memory) and where its weights are stored.
+
+    A parameter that is a tensor subclass (a quantized weight) is streamed as its plain inner tensors: one entry
+    per inner tensor (``meta`` and ``stored`` describe it), all pointing to the ``composite`` that rebuilds the
+    parameter, which is bound to ``owner.attribute``.
+    """
 
     owner: nn.Module
     attribute: str
     meta: torch.Tensor
-    stored: _StoredWeight
+    stored: _StoredWeight | _HeldWeight
+    composite: _Composite | None = None
+
+
+@dataclass(eq=False)
+class _Composite:
+    """A tensor subclass as ``__tensor_flatten__`` takes it apart, to rebuild it over other inner tensors.
+
+    Args:
+        cls: The subclass.
+        context: Its flattening context.
+        size: Its outer size.
+        stride: Its outer stride.
+        parts: The inner tensors by attribute name: plain ones as :class:`_OffloadedParameter`, nested subclasses
+            (a packed tensor inside a quantized weight) as :class:`_Composite`.
+    """
+
+    cls: type
+    context: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+    parts: dict[str, _OffloadedParameter | _Composite]
+
+    def leaves(self) -> Iterator[_OffloadedParameter]:
+        """The plain inner tensors' entries, nested ones included."""
+        for part in self.parts.values():
+            if isinstance(part, _Composite):
+                yield from part.leaves()
+            else:
+                yield part
+
+    def rebuild(self, views: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The subclass over ``views`` (by ``id`` of each inner tensor's entry); the views are not copied."""
+        inner = {
+            name: part.rebuild(views) if isinstance(part, _Composite) else views[id(part)]
+            for name, part in self.parts.items()
+        }
+        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
 
 
 @dataclass
@@ -154,13 +216,14 @@ class _Slot:
 class LayerStreamer:
     """Runs disk-offloaded modules out of a ring of reused buffers, reading the next ones ahead on a thread.
 
-    Streamed unit ``i`` always computes out of ring buffer ``i % (prefetch + 1)``: its parameters are views of
-    that buffer, bound once, so a forward allocates nothing. Before unit ``i`` runs, the streamer waits for its
+    Each streamed unit always computes out of the same ring buffer (:func:`_ring_slots`): its parameters are views
+    of that buffer, bound once, so a forward allocates nothing. Before unit ``i`` runs, the streamer waits for its
     weights and queues the reads of the next ``prefetch`` units (wrapping around to the next forward's first
     units), which the reader thread performs while unit ``i`` computes. A unit called out of order is read on
     the spot, so the order affects speed only, never results.
 
-    Use :meth:`install`; :func:`layer_streamer` finds a model's streamer.
+    Use :meth:`install`; :func:`layer_streamer` finds a model's streamer. :class:`~.device_stream.DeviceLayerStreamer`
+    runs the same ring on an accelerator.
 
     Embedding tables are not streamed: a lookup needs only the rows of the tokens fed, so an embedding computes
     straight from the memory-mapped file, which reads just those rows' pages (bit-identical: it is a gather).
@@ -169,13 +232,28 @@ class LayerStreamer:
         unit_names: The streamed units' module names, in execution order.
         units: ``(module, copies)`` per streamed unit.
         slots: The ring buffers.
+        slot_of: The ring buffer of each unit, from :func:`_ring_slots`.
+        unit_bytes: The bytes each unit's read moves, in execution order.
+        prefetch: Units read ahead of the one computing.
     """
 
-    def __init__(self, unit_names: list[str], units: list[tuple[nn.Module, list[_Copy]]], slots: list[_Slot]):
+    def __init__(
+        self,
+        unit_names: list[str],
+        units: list[tuple[nn.Module, list[_Copy]]],
+        slots: list[_Slot],
+        slot_of: list[int],
+        unit_bytes: list[int],
+        prefetch: int,
+    ):
         self.unit_names = unit_names
         self._units = units
         self._slots = slots
+        self._slot_of = slot_of
+        self._unit_bytes = unit_bytes
+        self._prefetch = prefetch
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specexec-layer-streamer")
+        self._closed = False
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
         for position, (module, _) in enumerate(units):
             module.register_forward_pre_hook(partial(self._before_unit, position))
@@ -195,13 +273,7 @@ class LayerStreamer:
         if not unit_names:
             _detach_accelerate_hooks(model)
             return None
-        locate = _offloaded_weight_locator(model)
-        _detach_accelerate_hooks(model)
-        files: dict[str, _MappedFile] = {}
-        aliases: dict[int, list[str]] = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(parameter), []).append(name)
-        parameters = {name: _offloaded_parameters(model, name, aliases, locate, files) for name in unit_names}
+        parameters = _unit_parameters(model, unit_names, resident=lambda parameter: not parameter.is_meta)
         streamed = []
         for name in unit_names:
             if _reads_rows_on_demand(model.get_submodule(name), parameters[name]):
@@ -211,15 +283,17 @@ class LayerStreamer:
         if not streamed:
             return None
         plans = [_plan_runs(parameters[name]) for name in streamed]
-        ring = min(prefetch + 1, len(streamed))
+        slot_of = _ring_slots(len(streamed), prefetch)
         slots = [
-            _Slot(torch.empty(max(size for size, _ in plans[first::ring]), dtype=torch.uint8)) for first in range(ring)
+            _Slot(torch.empty(max(plans[position][0] for position in members), dtype=torch.uint8))
+            for members in _slot_members(slot_of)
         ]
-        units = [
-            (model.get_submodule(name), _bind(runs, slots[position % ring].buffer))
-            for position, (name, (_, runs)) in enumerate(zip(streamed, plans))
-        ]
-        streamer = cls(streamed, units, slots)
+        units = []
+        for position, (name, (_, runs)) in enumerate(zip(streamed, plans)):
+            buffer = slots[slot_of[position]].buffer
+            _bind_views(runs, buffer)
+            units.append((model.get_submodule(name), _copies(runs, buffer)))
+        streamer = cls(streamed, units, slots, slot_of, [size for size, _ in plans], prefetch)
         model._specexec_layer_streamer = streamer
         return streamer
 
@@ -228,36 +302,90 @@ class LayerStreamer:
         """Bytes held by the ring buffers: all the memory the streamer uses for weights, fixed at install."""
         return sum(slot.buffer.numel() for slot in self._slots)
 
+    @property
+    def streamed_bytes_per_forward(self) -> int:
+        """Bytes each forward reads into the ring, once the first forward has filled it.
+
+        Units that have a buffer to themselves (all of them when ``prefetch + 1 >= len(unit_names)``, else the
+        last few, see :func:`_ring_slots`) stay loaded and are read once only.
+        """
+        shared = _slot_members(self._slot_of)
+        return sum(size for size, slot in zip(self._unit_bytes, self._slot_of) if len(shared[slot]) > 1)
+
+    def wait_idle(self) -> None:
+        """Blocks until every read queued so far has landed (for timing a forward without the read-ahead)."""
+        for slot in self._slots:
+            self._await_on_host(slot)
+
     def close(self) -> None:
         """Stops the reader thread; a later forward that needs to read weights raises ``RuntimeError``."""
+        self._closed = True
         self._reader.shutdown(wait=True)
 
     def _before_unit(self, position: int, module: nn.Module, args: tuple) -> None:
         current = self._request(position)
         try:
-            current.filled.result()  # re-raises a failed read here, in the forward that needs it
+            self._await(current)  # re-raises a failed read here, in the forward that needs it
         except BaseException:
             current.position = None  # what the buffer holds is unknown now: read it again next time
             raise
-        for ahead in range(1, len(self._slots)):
+        for ahead in range(1, self._prefetch + 1):
             upcoming = (position + ahead) % len(self._units)
-            # Around the end of a forward, the next forward's first units may map to the running unit's slot.
-            if self._slots[upcoming % len(self._slots)] is not current:
+            if self._slots[self._slot_of[upcoming]] is not current:  # fewer units than slots: all stay loaded
                 self._request(upcoming)
 
     def _request(self, position: int) -> _Slot:
         """The slot of unit ``position``, queueing the read of its weights unless it holds or awaits them."""
-        slot = self._slots[position % len(self._slots)]
+        slot = self._slots[self._slot_of[position]]
         if slot.position != position:
+            if self._closed:
+                raise RuntimeError("The layer streamer was closed (shutdown): it cannot read weights any more.")
             slot.position = position
-            slot.filled = self._reader.submit(self._read, position)
+            slot.filled = self._fill(position, slot)
             self.reads_requested += 1
         return slot
+
+    def _fill(self, position: int, slot: _Slot) -> Future:
+        """Starts filling ``slot`` with unit ``position``'s weights."""
+        return self._reader.submit(self._read, position)
+
+    def _await(self, slot: _Slot) -> None:
+        """Makes the compute that follows see ``slot``'s weights."""
+        slot.filled.result()
+
+    def _await_on_host(self, slot: _Slot) -> None:
+        """Blocks the calling thread until ``slot``'s fill has landed."""
+        if slot.position is not None:
+            slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
 
     def _read(self, position: int) -> None:
         """Copies unit ``position``'s weights into its slot (on the reader thread; torch copies release the GIL)."""
         for copy in self._units[position][1]:
             copy.target.copy_(copy.source)
+
+
+def _ring_slots(count: int, prefetch: int) -> list[int]:
+    """The ring buffer each of ``count`` streamed units computes out of, reading ``prefetch`` units ahead.
+
+    Units go round ``prefetch + 1`` buffers; when ``count`` is not a multiple of that, the last ``count % (prefetch +
+    1)`` units get a buffer each of their own, so that any ``prefetch + 1`` consecutive units, across the end of a
+    forward too, use distinct buffers: the next forward's first units are read ahead while the last ones compute.
+
+    Args:
+        count: Streamed units.
+        prefetch: Units read ahead of the one computing.
+    """
+    ring = min(prefetch + 1, count)
+    cycled = count - count % ring
+    return [position % ring if position < cycled else ring + position - cycled for position in range(count)]
+
+
+def _slot_members(slot_of: list[int]) -> list[list[int]]:
+    """The unit positions of each ring buffer."""
+    members: list[list[int]] = [[] for _ in range(max(slot_of) + 1)]
+    for position, slot in enumerate(slot_of):
+        members[slot].append(position)
+    return members
 
 
 def _detach_accelerate_hooks(model: nn.Module) -> None:
@@ -281,7 +409,7 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
     """``locate(name) -> (file path, safetensors tensor name or None for a .dat file, index entry)``.
 
     Reads accelerate's offload index from the hooks ``dispatch_model`` attached; ``locate`` raises ``KeyError``
-    for a name the index does not hold.
+    for a name the index does not hold (every name, when no hook offloads anything).
     """
     loader = next(
         (
@@ -291,10 +419,10 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
         ),
         None,
     )
-    if loader is None:
-        raise RuntimeError("The model has no disk-offloaded weights to stream (no accelerate offload hooks found).")
 
     def locate(name: str) -> tuple[str, str | None, dict[str, Any]]:
+        if loader is None:
+            raise KeyError(name)
         info = loader.index[name]
         if info.get("safetensors_file") is not None:
             return info["safetensors_file"], info.get("weight_name", name), info
@@ -325,26 +453,86 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, _MappedFi
     raise KeyError(f"No offloaded copy of parameter {names[0]!r} was found in accelerate's offload index.")
 
 
-def _offloaded_parameters(
-    model: nn.Module, unit_name: str, aliases: dict[int, list[str]], locate: Locator, files: dict[str, _MappedFile]
-) -> list[_OffloadedParameter]:
-    """A unit's parameters that accelerate left on the meta device, with their stored copies, in file order.
+def _unit_parameters(
+    model: nn.Module,
+    unit_names: list[str],
+    resident: Callable[[nn.Parameter], bool],
+    execution_form: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
+) -> dict[str, list[_OffloadedParameter]]:
+    """Each streamed unit's parameters with where their weights are stored, in file (or registration) order.
+
+    Removes accelerate's hooks, leaving disk-offloaded weights on the meta device, whose stored copies are found
+    through accelerate's offload index (files are mapped on first use); other weights are held in memory. A
+    tensor-subclass parameter held in memory (a quantized weight) is taken apart into its plain inner tensors.
 
     Args:
         model: The dispatched model.
-        unit_name: The unit.
-        aliases: Every name of each parameter object, by ``id`` (tied weights have several).
-        locate: From :func:`_offloaded_weight_locator`.
-        files: Files mapped so far, by path.
+        unit_names: The streamed units.
+        resident: Whether a parameter stays where it is (a weight tied to a resident module): it is not streamed.
+        execution_form: A held tensor-subclass weight as it is on the execution device, in host memory (quantized
+            formats repack for the device they move to).
     """
-    found = []
-    for local_name, parameter in model.get_submodule(unit_name).named_parameters(remove_duplicate=False):
-        if not parameter.is_meta:
-            continue  # a weight tied to a resident module is in memory already
-        owner_name, _, attribute = f"{unit_name}.{local_name}".rpartition(".")
-        stored = _stored_weight(aliases[id(parameter)], locate, files)
-        found.append(_OffloadedParameter(model.get_submodule(owner_name), attribute, parameter, stored))
-    return sorted(found, key=lambda p: (p.stored.file.path, p.stored.offset))
+    locate = _offloaded_weight_locator(model)
+    _detach_accelerate_hooks(model)
+    files: dict[str, _MappedFile] = {}
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    found: dict[str, list[_OffloadedParameter]] = {}
+    for unit_name in unit_names:
+        unit = []
+        for local_name, parameter in model.get_submodule(unit_name).named_parameters(remove_duplicate=False):
+            if resident(parameter):
+                continue
+            owner_name, _, attribute = f"{unit_name}.{local_name}".rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if type(parameter) not in (torch.Tensor, nn.Parameter) and not _is_subclass(parameter):
+                raise ValueError(
+                    f"{unit_name}.{local_name} is a {type(parameter).__name__}, which cannot be streamed: its data is "
+                    "not made of plain tensors that __tensor_flatten__ names (optimum-quanto weights are); keep this "
+                    "module on the execution device or quantize with optimum-quanto."
+                )
+            if _is_subclass(parameter):
+                if parameter.is_meta:
+                    raise ValueError(
+                        f"{unit_name}.{local_name} is a {type(parameter).__name__} (a quantized weight) placed on "
+                        "disk; such weights stream from CPU RAM only: raise max_memory['cpu'] so nothing goes to disk."
+                    )
+                unit.extend(_flattened(owner, attribute, execution_form(parameter.detach())))
+            elif parameter.is_meta:
+                stored = _stored_weight(aliases[id(parameter)], locate, files)
+                unit.append(_OffloadedParameter(owner, attribute, parameter, stored))
+            else:
+                unit.append(_OffloadedParameter(owner, attribute, parameter, _HeldWeight(parameter.detach())))
+        found[unit_name] = sorted(unit, key=lambda p: (p.stored.file.path if p.stored.file else "", p.stored.offset))
+    return found
+
+
+def _is_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tensor subclass made of inner tensors (as quantized weights are)."""
+    return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+
+
+def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor) -> list[_OffloadedParameter]:
+    """Entries for the plain inner tensors of tensor subclass ``tensor``, bound to ``owner.attribute`` together."""
+
+    def take_apart(part: torch.Tensor) -> _Composite:
+        names, context = part.__tensor_flatten__()
+        composite = _Composite(type(part), context, part.size(), part.stride(), {})
+        for name in names:
+            inner = getattr(part, name)
+            if _is_subclass(inner):
+                composite.parts[name] = take_apart(inner)
+            else:
+                held = inner.detach().cpu()
+                composite.parts[name] = _OffloadedParameter(owner, attribute, held, _HeldWeight(held))
+        return composite
+
+    top = take_apart(tensor)
+    leaves = list(top.leaves())
+    for leaf in leaves:
+        leaf.composite = top
+    return leaves
 
 
 def _reads_rows_on_demand(module: nn.Module, parameters: list[_OffloadedParameter]) -> bool:
@@ -359,49 +547,85 @@ def _bind_to_file(parameters: list[_OffloadedParameter]) -> None:
         setattr(parameter.owner, parameter.attribute, nn.Parameter(view, requires_grad=False))
 
 
-def _plan_runs(parameters: list[_OffloadedParameter]) -> tuple[int, list[_Run]]:
+def _plan_runs(
+    parameters: list[_OffloadedParameter], alignment: int = _ALIGNMENT, each_fresh: bool = False
+) -> tuple[int, list[_Run]]:
     """Groups a unit's parameters (in file order) into runs; returns the ring-buffer bytes needed and the runs.
 
-    A converting run starts 64-byte aligned, like the fresh tensor ``from_pretrained`` allocates for a converted
-    weight; a raw run keeps its file offset modulo 64, like the zero-copy view of the checkpoint
-    ``from_pretrained`` computes with otherwise. BLAS kernels round differently for differently aligned operands,
-    so mirroring the alignment is what keeps outputs bit-identical to the in-memory model.
+    A converting run starts ``alignment``-byte aligned, like the fresh tensor ``from_pretrained`` allocates for a
+    converted weight; a raw run keeps its file offset modulo ``alignment``, like the zero-copy view of the
+    checkpoint ``from_pretrained`` computes with otherwise. BLAS kernels round differently for differently
+    aligned operands, so mirroring the alignment is what keeps outputs bit-identical to the in-memory model.
+
+    Args:
+        parameters: The unit's parameters, in file order.
+        alignment: The allocation alignment of the in-memory model's tensors on the execution device.
+        each_fresh: Place every parameter as a fresh allocation (an accelerator's in-memory model copies each
+            weight into its own allocation), with a typed copy of its own.
     """
     runs: list[_Run] = []
     size = 0
     for parameter in parameters:
         stored = parameter.stored
-        if runs and runs[-1].extends_with(parameter):
+        if runs and not each_fresh and runs[-1].extends_with(parameter):
             run = runs[-1]
             run.file_end += stored.nbytes
         else:
-            converts_to = parameter.meta.dtype if stored.dtype != parameter.meta.dtype else None
-            start = _next_offset(size, 0 if converts_to else stored.offset % _ALIGNMENT)
+            typed = each_fresh or stored.dtype != parameter.meta.dtype
+            start = _next_offset(size, 0 if typed else stored.offset % alignment, alignment)
+            converts_to = parameter.meta.dtype if typed else None
             run = _Run(stored.file, stored.offset, stored.offset + stored.nbytes, start, converts_to)
             runs.append(run)
         buffer_offset = run.buffer_start + (0 if run.converts_to else stored.offset - run.file_start)
         run.members.append((parameter, buffer_offset))
-        size = buffer_offset + parameter.meta.numel() * parameter.meta.element_size()
+        size = buffer_offset + _span_bytes(parameter.meta)
     return size, runs
 
 
-def _next_offset(offset: int, remainder: int) -> int:
-    """The smallest byte offset ``>= offset`` that is ``remainder`` modulo ``_ALIGNMENT``."""
-    return offset + (remainder - offset) % _ALIGNMENT
+def _next_offset(offset: int, remainder: int, alignment: int = _ALIGNMENT) -> int:
+    """The smallest byte offset ``>= offset`` that is ``remainder`` modulo ``alignment``."""
+    return offset + (remainder - offset) % alignment
 
 
-def _bind(runs: list[_Run], buffer: torch.Tensor) -> list[_Copy]:
-    """Replaces a unit's meta parameters by views of ``buffer`` and returns the copies that fill them."""
-    copies = []
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from ``tensor``'s first element to one past its last, whatever its strides."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+
+
+def _member_view(buffer: torch.Tensor, parameter: _OffloadedParameter, offset: int) -> torch.Tensor:
+    """The typed view of ``buffer`` that ``parameter`` occupies at byte ``offset``, with its shape and strides."""
+    meta = parameter.meta
+    return buffer[offset : offset + _span_bytes(meta)].view(meta.dtype).as_strided(meta.shape, meta.stride())
+
+
+def _bind_views(runs: list[_Run], buffer: torch.Tensor) -> None:
+    """Replaces a unit's parameters by views of ``buffer``, laid out as ``runs`` plan."""
+    views: dict[int, torch.Tensor] = {}
+    composites: dict[int, _OffloadedParameter] = {}
     for run in runs:
         for parameter, offset in run.members:
-            meta = parameter.meta
-            target = buffer[offset : offset + meta.numel() * meta.element_size()].view(meta.dtype).view(meta.shape)
-            setattr(parameter.owner, parameter.attribute, nn.Parameter(target, requires_grad=False))
-            if run.converts_to is not None:
-                copies.append(_Copy(parameter.stored.tensor().view(meta.shape), target))
+            view = _member_view(buffer, parameter, offset)
+            if parameter.composite is None:
+                setattr(parameter.owner, parameter.attribute, nn.Parameter(view, requires_grad=False))
+            else:
+                views[id(parameter)] = view
+                composites[id(parameter.composite)] = parameter
+    for parameter in composites.values():
+        rebuilt = parameter.composite.rebuild(views)
+        setattr(parameter.owner, parameter.attribute, nn.Parameter(rebuilt, requires_grad=False))
+
+
+def _copies(runs: list[_Run], buffer: torch.Tensor) -> list[_Copy]:
+    """The copies that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights."""
+    copies = []
+    for run in runs:
         if run.converts_to is None:
             source = run.file.tensor(run.file_start, torch.uint8, (run.file_end - run.file_start,))
-            target = buffer[run.buffer_start : run.buffer_start + source.numel()]
-            copies.append(_Copy(source, target))
+            copies.append(_Copy(source, buffer[run.buffer_start : run.buffer_start + source.numel()]))
+        else:
+            for parameter, offset in run.members:
+                target = _member_view(buffer, parameter, offset)
+                copies.append(_Copy(parameter.stored.tensor().view(target.shape), target))
     return copies

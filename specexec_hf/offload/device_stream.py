@@ -1,0 +1,224 @@
+"""The streaming executor on an accelerator: offloaded layers copied into a fixed ring on the device, one ahead.
+
+Layers that fit the device budget stay resident. Each layer placed in CPU RAM lives in one flat pinned host buffer
+(pinned at its exact size), laid out exactly as its ring slot on the device, so loading it is one asynchronous
+copy. Layers placed on disk are read by :class:`~.stream.LayerStreamer`'s reader thread from the memory-mapped
+files into a pinned staging buffer, then copied up the same way. Copies run on a dedicated copy queue while the
+previous layer computes; events order them (see :class:`DeviceLayerStreamer`), never a device-wide synchronize.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .device import StreamDevice
+from .stream import (
+    LayerStreamer,
+    _bind_views,
+    _copies,
+    _plan_runs,
+    _ring_slots,
+    _Slot,
+    _slot_members,
+    _unit_parameters,
+)
+
+HOST_PLACEMENTS = ("cpu", "disk")
+
+
+@dataclass(eq=False)
+class _DeviceSlot(_Slot):
+    """A ring slot on the device; ``filled`` resolves to the done event of the copy into it.
+
+    Args:
+        opened: Whether the compute may have read the slot since ``free`` was recorded.
+        free: A slot-free event, recorded on the compute queue after the compute last read the slot: every copy
+            into the slot waits for it (``None`` before the first read).
+        staging: The pinned buffer disk-placed layers of this slot are read into, or ``None``.
+        staged: The done event of the last copy out of ``staging``: the reader waits for it before overwriting.
+    """
+
+    filled: Future = field(default_factory=lambda: _resolved(None))
+    opened: bool = False
+    free: Any = None
+    staging: torch.Tensor | None = None
+    staged: Any = None
+
+
+class DeviceLayerStreamer(LayerStreamer):
+    """Runs layers placed in CPU RAM or on disk out of a fixed ring of device buffers, loading one ahead.
+
+    Each streamed layer computes out of the same slot (``prefetch + 1`` slots in turn, see
+    :func:`~.stream._ring_slots`), whose parameter views are bound once and never move. Before layer ``i`` runs,
+    the compute queue waits for the copy-done event of its slot, and the copies of the next ``prefetch`` layers
+    are issued (wrapping around to the next forward's first layers, which then load while the draft grows its
+    tree); each waits on the copy queue for a slot-free event recorded on the compute queue when the copy is
+    issued, so after the layer that last read that slot (and before the one about to run). A failed copy or read
+    is raised in the forward that needs it.
+
+    Use :meth:`install_on_device`, or ``load_offloaded(..., executor="stream")`` with a GPU in ``max_memory``;
+    :func:`~.stream.layer_streamer` finds a model's streamer. For benchmarks: ``buffer_bytes`` (the device ring),
+    ``host_bytes`` (pinned host memory), ``streamed_bytes_per_forward``, and ``wait_idle()``.
+
+    Args:
+        unit_names: The streamed layers' module names, in execution order.
+        units: ``(module, copies into the slot's staging buffer)`` per layer; no copies for a layer in RAM.
+        slots: The device ring.
+        slot_of: The slot of each layer, from :func:`~.stream._ring_slots`.
+        unit_bytes: The bytes each layer's copy moves.
+        prefetch: Layers loaded ahead of the one computing.
+        hosts: Per layer, its pinned host buffer (placed in RAM), or ``None`` (placed on disk).
+        device: The device operations.
+    """
+
+    def __init__(
+        self,
+        unit_names: list[str],
+        units: list[tuple[nn.Module, list]],
+        slots: list[_DeviceSlot],
+        slot_of: list[int],
+        unit_bytes: list[int],
+        prefetch: int,
+        hosts: list[torch.Tensor | None],
+        device: StreamDevice,
+    ):
+        super().__init__(unit_names, units, slots, slot_of, unit_bytes, prefetch)
+        self._hosts = hosts
+        self._device = device
+        pinned = [*(host for host in hosts if host is not None), *(s.staging for s in slots if s.staging is not None)]
+        # Unpinned by close(), or when the streamer is collected: freeing registered memory would leak the pin.
+        self._release_pinned = weakref.finalize(self, _release_pinned, device, pinned)
+
+    @classmethod
+    def install_on_device(
+        cls, model: PreTrainedModel, device_map: Mapping[str, int | str], device: StreamDevice, prefetch: int = 1
+    ) -> DeviceLayerStreamer | None:
+        """Moves a CPU/disk-dispatched model to ``device``, streaming the units ``device_map`` leaves on the host.
+
+        Args:
+            model: A model dispatched by accelerate on the host: units placed ``"disk"`` offloaded, every other
+                unit in CPU memory.
+            device_map: The placement per weight unit (:func:`~.placement.offload_device_map`): ``"cpu"`` and
+                ``"disk"`` units are streamed, any other value means resident on ``device``.
+            device: The device operations (:class:`~.device.CudaDevice`, or a test stand-in).
+            prefetch: Layers loaded ahead of the one computing.
+
+        Returns:
+            The streamer, or ``None`` when every unit is resident.
+        """
+        streamed = [name for name, where in device_map.items() if where in HOST_PLACEMENTS]
+        resident_ids = {
+            id(parameter)
+            for name, where in device_map.items()
+            if where not in HOST_PLACEMENTS
+            for parameter in model.get_submodule(name).parameters()
+        }
+        parameters = _unit_parameters(
+            model,
+            streamed,
+            resident=lambda parameter: id(parameter) in resident_ids,
+            execution_form=lambda tensor: tensor.to(device.device),
+        )
+        streamed = [name for name in streamed if parameters[name]]  # units whose weights are all tied to resident ones
+        if not streamed:
+            model.to(device.device)
+            return None
+        plans = [_plan_runs(parameters.pop(name), device.alignment, each_fresh=True) for name in streamed]
+        unit_bytes = [size for size, _ in plans]
+        slot_of = _ring_slots(len(streamed), prefetch)
+        slots = []
+        for members in _slot_members(slot_of):
+            disk_sizes = [unit_bytes[position] for position in members if device_map[streamed[position]] == "disk"]
+            staging = device.pin(max(disk_sizes)) if disk_sizes else None
+            buffer = device.allocate(max(unit_bytes[position] for position in members))
+            slots.append(_DeviceSlot(buffer, staging=staging))
+        units, hosts = [], []
+        for position, name in enumerate(streamed):
+            size, runs = plans[position]
+            plans[position] = None  # with the module rebound below, the last reference to its weights in RAM
+            slot = slots[slot_of[position]]
+            if device_map[name] == "disk":
+                units.append((model.get_submodule(name), _copies(runs, slot.staging)))
+                hosts.append(None)
+            else:
+                host = device.pin(size)
+                for copy in _copies(runs, host):
+                    copy.target.copy_(copy.source)
+                units.append((model.get_submodule(name), []))
+                hosts.append(host)
+            _bind_views(runs, slot.buffer)
+            del runs
+        model.to(device.device)  # resident units; the streamed ones are bound to device views already
+        streamer = cls(streamed, units, slots, slot_of, unit_bytes, prefetch, hosts, device)
+        model._specexec_layer_streamer = streamer
+        return streamer
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory: the layers placed in RAM, and the staging buffers of those placed on disk."""
+        staging = sum(slot.staging.numel() for slot in self._slots if slot.staging is not None)
+        return staging + sum(host.numel() for host in self._hosts if host is not None)
+
+    def close(self) -> None:
+        """Waits for pending copies, stops the reader thread and unpins the host memory.
+
+        A later forward that needs to load weights raises ``RuntimeError``.
+        """
+        if self._closed:
+            return
+        super().close()
+        self._release_pinned()
+
+    def _fill(self, position: int, slot: _DeviceSlot) -> Future:
+        host = self._hosts[position]
+        if slot.opened:
+            slot.free, slot.opened = self._device.compute_record(), False
+        after = slot.free
+        if host is not None and slot.filled.done():
+            return _resolved(self._device.copy(slot.buffer[: host.numel()], host, after))
+        # Through the reader thread, behind the slot's pending fill, so that copies into a slot are issued in order.
+        return self._reader.submit(self._stage_and_copy, position, slot, after)
+
+    def _stage_and_copy(self, position: int, slot: _DeviceSlot, after: Any) -> Any:
+        """On the reader thread: reads a disk-placed layer into pinned staging, then issues its copy to the slot."""
+        source = self._hosts[position]
+        if source is None:
+            if slot.staged is not None:
+                self._device.host_wait(slot.staged)  # the previous copy out of the staging buffer has landed
+            for copy in self._units[position][1]:
+                copy.target.copy_(copy.source)
+            source = slot.staging[: self._unit_bytes[position]]
+        done = self._device.copy(slot.buffer[: source.numel()], source, after)
+        if self._hosts[position] is None:
+            slot.staged = done
+        return done
+
+    def _await(self, slot: _DeviceSlot) -> None:
+        self._device.compute_wait(slot.filled.result())
+        slot.opened = True
+
+    def _await_on_host(self, slot: _DeviceSlot) -> None:
+        if slot.position is not None and slot.filled.exception() is None:  # a failed read has nothing in flight
+            self._device.host_wait(slot.filled.result())
+
+
+def _resolved(value: Any) -> Future:
+    """A future already holding ``value``."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _release_pinned(device: StreamDevice, pinned: list[torch.Tensor]) -> None:
+    """Unpins ``pinned`` once no queued copy reads it any more."""
+    device.drain()
+    for buffer in pinned:
+        device.unpin(buffer)

@@ -1,0 +1,446 @@
+"""The streaming executor on an accelerator (``DeviceLayerStreamer``).
+
+On the CPU it runs through ``OrderCheckingDevice``, which executes copies late, from a queue, and raises when a
+copy could overwrite a buffer the compute may still read: outputs bit-equal to the in-memory model, the ring and
+the parameter views fixed, exact-size pinned buffers, wrap-around read-ahead and failures surfacing in the
+forward that needs the weights. The ``cuda``-marked tests run the same executor on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import tempfile
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specexec_hf.offload import (
+    CudaDevice,
+    DeviceLayerStreamer,
+    OrderCheckingDevice,
+    OrderingError,
+    layer_streamer,
+    load_offloaded,
+    offload_device_map,
+    stream_on_device,
+    weight_units,
+)
+
+PLACES = [0, "cpu", "disk"]  # 0: resident on the execution device
+
+
+def prompt(seed: int, length: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def placed(model, places) -> dict:
+    """``model``'s per-unit device map with its weight units placed as ``places`` (cycled); others resident."""
+    device_map = offload_device_map(model, None)
+    for index, name in enumerate(weight_units(model)):
+        device_map[name] = places[index % len(places)]
+    return {name: (0 if where not in ("cpu", "disk") else where) for name, where in device_map.items()}
+
+
+def streamed_copy(model, device_map, device, folder, prefetch=1, dtype=None):
+    return stream_on_device(copy.deepcopy(model), device_map, device, folder, dtype=dtype, prefetch=prefetch)
+
+
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    num_layers=st.integers(1, 5),
+    places=st.lists(st.sampled_from(PLACES), min_size=1, max_size=8).filter(lambda p: set(p) & {"cpu", "disk"}),
+    prefetch=st.integers(1, 3),
+    budget=st.integers(1, 16),
+    max_new_tokens=st.integers(1, 16),
+)
+def test_streamed_target_is_bit_identical_and_specexec_equals_in_memory_greedy(
+    arch, seed, num_layers, places, prefetch, budget, max_new_tokens
+):
+    target = tiny_model(arch, seed=seed, num_layers=num_layers)
+    draft = perturbed_copy(target, 0.05, seed=seed + 1)
+    ids = prompt(seed, 6)
+    expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    device = OrderCheckingDevice()
+    with tempfile.TemporaryDirectory() as folder:
+        streamed = streamed_copy(target, placed(target, places), device, folder, prefetch)
+        with torch.no_grad():
+            reference = target(ids).logits
+            for _ in range(3):  # later forwards run from read-ahead that wrapped around
+                assert torch.equal(streamed(ids).logits, reference)
+        got = streamed.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
+            budget=budget,
+        )
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_checkpoint_streamed_in_another_dtype_is_bit_identical(dtype):
+    """Read from a float64 safetensors checkpoint, converted as from_pretrained does, RAM and disk layers mixed."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = tiny_model("qwen2", seed=4, num_layers=4)
+        model.save_pretrained(folder)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        device_map = placed(model, [0, "cpu", "disk", "disk", "cpu"])
+        streamed = stream_on_device(folder, device_map, OrderCheckingDevice(), dtype=dtype, prefetch=1)
+        ids = prompt(1, 9)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(streamed(ids).logits, reference(ids).logits)
+        assert streamed.dtype == dtype and streamed.hf_device_map == device_map
+
+
+def layer_map(model, place: str, resident=("model.embed_tokens", "model.rotary_emb")) -> dict:
+    return {name: (0 if name in resident else place) for name in offload_device_map(model, None)}
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_ring_and_parameter_views_never_move(prefetch):
+    model = tiny_model("llama", seed=2, num_layers=5, dtype=torch.float32)
+    device = OrderCheckingDevice()
+    with tempfile.TemporaryDirectory() as folder:
+        streamed = streamed_copy(model, layer_map(model, "disk"), device, folder, prefetch)
+        streamer = layer_streamer(streamed)
+        ids = prompt(3, 5)
+
+        def addresses():
+            return [p.data_ptr() for p in streamed.parameters()], [slot.buffer.data_ptr() for slot in streamer._slots]
+
+        before, ring_bytes, pinned = addresses(), streamer.buffer_bytes, list(device.pinned_sizes)
+        with torch.no_grad():
+            for _ in range(6):
+                streamed(ids)
+        assert addresses() == before
+        assert streamer.buffer_bytes == ring_bytes and device.pinned_sizes == pinned  # nothing allocated or pinned
+
+
+def test_each_layer_in_ram_is_one_exact_size_pinned_buffer_laid_out_like_its_slot():
+    model = tiny_model("llama", seed=1, num_layers=3, dtype=torch.bfloat16)
+    device = OrderCheckingDevice()
+    streamed = streamed_copy(model, layer_map(model, "cpu"), device, folder=None)
+    streamer = layer_streamer(streamed)
+    expected = []
+    for name in streamer.unit_names:
+        end = 0
+        for parameter in model.get_submodule(name).parameters():  # each weight a fresh 512-byte aligned block
+            end = -(-end // 512) * 512 + parameter.numel() * parameter.element_size()
+        expected.append(end)
+    assert device.pinned_sizes == expected
+    assert streamer.host_bytes == sum(expected)
+    for name in streamer.unit_names:
+        for parameter in streamed.get_submodule(name).parameters():
+            assert parameter.data_ptr() % 512 == 0
+    with torch.no_grad():
+        assert torch.equal(streamed(prompt(0, 4)).logits, model(prompt(0, 4)).logits)
+
+
+@pytest.mark.parametrize("num_layers, prefetch", [(4, 1), (5, 1), (6, 2), (2, 3)])
+def test_read_ahead_wraps_around_into_the_next_forward(num_layers, prefetch):
+    """After a forward, the next forward's first layers are already loading (while the draft would grow a tree)."""
+    model = tiny_model("llama", seed=0, num_layers=num_layers)
+    device = OrderCheckingDevice()
+    streamed = streamed_copy(model, layer_map(model, "cpu", resident=("model.embed_tokens", "model.rotary_emb",
+                                                                      "model.norm", "lm_head")), device, None, prefetch)
+    streamer = layer_streamer(streamed)
+    ids = prompt(0, 3)
+    ring = prefetch + 1
+    ring_holds_all = ring >= num_layers
+    # Layers go round the ring; the last num_layers % ring get a slot each of their own, so they stay loaded.
+    reloaded = 0 if ring_holds_all else num_layers - num_layers % ring
+    with torch.no_grad():
+        streamed(ids)
+        issued, copied = device.copies_issued, device.bytes_copied
+        assert issued == (num_layers if ring_holds_all else num_layers + prefetch)
+        streamed(ids)
+        assert device.copies_issued - issued == reloaded
+        assert device.bytes_copied - copied == streamer.streamed_bytes_per_forward
+    assert len(streamer._slots) == (num_layers if ring_holds_all else ring + num_layers % ring)
+
+
+def test_the_forward_never_blocks_on_copies_and_wait_idle_drains_them(monkeypatch):
+    """Only the reader thread waits on the host (for a staging buffer); the forward orders copies by events."""
+    import threading
+
+    model = tiny_model("llama", seed=3, num_layers=5)
+    device = OrderCheckingDevice()
+    waiting_threads = []
+    host_wait = device.host_wait
+
+    def recorded_host_wait(event):
+        waiting_threads.append(threading.current_thread())
+        host_wait(event)
+
+    monkeypatch.setattr(device, "host_wait", recorded_host_wait)
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        streamed = streamed_copy(model, placed(model, [0, "cpu", "disk"]), device, folder)
+        for _ in range(4):
+            streamed(prompt(0, 3))
+        assert threading.main_thread() not in waiting_threads
+        streamer = layer_streamer(streamed)
+        streamer.wait_idle()
+        assert all(slot.filled.result().done for slot in streamer._slots if slot.position is not None)
+
+
+def test_ordering_checker_catches_a_streamer_that_does_not_wait_for_the_compute(monkeypatch):
+    """The checks can fail: a streamer that forgets that the compute read a slot overwrites it too early."""
+    model = tiny_model("llama", seed=0, num_layers=4)
+    device = OrderCheckingDevice()
+    streamed = streamed_copy(model, layer_map(model, "cpu"), device, None)
+    streamer = layer_streamer(streamed)
+    monkeypatch.setattr(streamer, "_await", lambda slot: device.compute_wait(slot.filled.result()))
+    with torch.no_grad(), pytest.raises(OrderingError, match="compute may still read"):
+        streamed(prompt(0, 3))
+
+
+def test_a_streamer_that_does_not_wait_for_the_copy_computes_with_unloaded_weights(monkeypatch):
+    """The checks can fail the other way too: copies run late, so skipping the wait reads unloaded (0xFF) bytes."""
+    model = tiny_model("llama", seed=0, num_layers=4)
+    streamed = streamed_copy(model, layer_map(model, "cpu"), OrderCheckingDevice(), None)
+    monkeypatch.setattr(layer_streamer(streamed), "_await", lambda slot: None)
+    with torch.no_grad():
+        assert torch.isnan(streamed(prompt(0, 3)).logits).all()
+
+
+def test_ordering_checker_rules():
+    device = OrderCheckingDevice()
+    slot, host = device.allocate(8), device.pin(8)
+    host.fill_(7)
+    done = device.copy(slot, host, after=None)
+    assert slot.tolist() == [0xFF] * 8  # not run yet: a compute that does not wait reads stale bytes
+    device.compute_wait(done)
+    assert slot.tolist() == [7] * 8
+    with pytest.raises(OrderingError, match="compute may still read"):
+        device.copy(slot, host, after=None)
+    device.copy(slot, host, after=device.compute_record())  # a slot-free event recorded after the read: fine
+    with pytest.raises(OrderingError, match="not pinned"):
+        device.copy(device.allocate(8), torch.zeros(8, dtype=torch.uint8), after=None)
+
+
+@pytest.mark.parametrize("failing", ["copy", "disk read"])
+def test_a_failed_load_surfaces_in_the_forward_that_needs_it_and_is_retried(failing):
+    model = tiny_model("llama", seed=6, num_layers=4)
+    device = OrderCheckingDevice(fail_copies={3} if failing == "copy" else set())
+    ids = prompt(2, 4)
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        streamed = streamed_copy(model, layer_map(model, "disk"), device, folder)
+        streamer = layer_streamer(streamed)
+        if failing == "disk read":
+            read = streamer._units[2][1][0]
+            read.source, good_source = torch.empty(3, 5, 7, dtype=read.source.dtype), read.source  # cannot fit
+        with pytest.raises(RuntimeError, match="injected failure of copy 3" if failing == "copy" else "size"):
+            streamed(ids)
+        if failing == "disk read":
+            read.source = good_source
+        assert torch.equal(streamed(ids).logits, model(ids).logits)
+
+
+def test_close_unpins_and_refuses_later_forwards():
+    model = tiny_model("llama", seed=0, num_layers=4)
+    device = OrderCheckingDevice()
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        streamed = streamed_copy(model, placed(model, ["cpu", "disk"]), device, folder)
+        streamed(prompt(0, 3))
+        layer_streamer(streamed).close()
+        assert device.pinned == {}
+        with pytest.raises(RuntimeError, match="closed"):
+            streamed(prompt(0, 3))
+
+
+def test_a_weight_type_that_cannot_be_taken_apart_is_refused():
+    class OpaqueParameter(torch.nn.Parameter):  # a subclass whose data is not described by __tensor_flatten__
+        pass
+
+    model = tiny_model("llama", seed=0, num_layers=2)
+    layer = model.model.layers[1].mlp.up_proj
+    layer.weight = OpaqueParameter(layer.weight.detach(), requires_grad=False)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is a OpaqueParameter, which cannot be"):
+        stream_on_device(model, layer_map(model, "cpu"), OrderCheckingDevice())
+
+
+def test_everything_resident_installs_no_streamer():
+    model = tiny_model("llama", seed=0, num_layers=2)
+    streamed = streamed_copy(model, placed(model, [0]), OrderCheckingDevice(), None)
+    assert layer_streamer(streamed) is None
+    with torch.no_grad():
+        assert torch.equal(streamed(prompt(0, 3)).logits, model(prompt(0, 3)).logits)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_a_gpu_budget_without_cuda_is_refused_before_loading():
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        load_offloaded(tiny_model("llama"), max_memory={0: 200_000, "cpu": 10**9}, executor="stream")
+
+
+def test_load_offloaded_with_a_gpu_in_the_budget_installs_the_device_streamer(monkeypatch):
+    """The wiring of load_offloaded's GPU branch, with the placement and the device stood in for on a CPU."""
+    from specexec_hf.offload import device as device_module
+    from specexec_hf.offload import placement
+
+    model = tiny_model("llama", seed=2, num_layers=4)
+    device_map = placed(model, [0, "cpu", "cpu"])
+    monkeypatch.setattr(placement, "offload_device_map", lambda *args: device_map)
+    monkeypatch.setattr(device_module, "CudaDevice", lambda where: OrderCheckingDevice())
+    streamed = load_offloaded(copy.deepcopy(model), max_memory={0: "1GiB", "cpu": "8GiB"}, executor="stream", prefetch=2)
+    assert isinstance(layer_streamer(streamed), DeviceLayerStreamer)
+    assert streamed.hf_device_map == device_map
+    with torch.no_grad():
+        assert torch.equal(streamed(prompt(1, 5)).logits, model(prompt(1, 5)).logits)
+
+
+def test_units_over_several_gpus_are_refused(monkeypatch):
+    from specexec_hf.offload import placement
+
+    monkeypatch.setattr(placement, "offload_device_map", lambda *args: {"model.layers.0": 0, "model.layers.1": 1})
+    with pytest.raises(ValueError, match="one accelerator"):
+        load_offloaded(tiny_model("llama"), max_memory={0: 1, 1: 1}, executor="stream")
+
+
+# The real CUDA path (run by scripts/gpu_check on a GPU machine).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("places", [["cpu"], [0, "cpu", "disk"]])
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_streamed_logits_are_bit_identical_to_the_model_on_the_gpu(dtype, places, prefetch):
+    model = tiny_model("llama", seed=7, num_layers=6, vocab_size=512, dtype=dtype)
+    reference = copy.deepcopy(model).to("cuda")
+    ids = prompt(4, 40, vocab=512).cuda()
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        streamed = streamed_copy(model, placed(model, places), CudaDevice(0), folder, prefetch)
+        streamer = layer_streamer(streamed)
+        assert all(host is None or host.is_pinned() for host in streamer._hosts)
+        for _ in range(3):
+            assert torch.equal(streamed(ids).logits, reference(ids).logits)
+        streamer.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_load_offloaded_with_a_gpu_budget_runs_specexec_exactly():
+    target = tiny_model("llama", seed=8, num_layers=6, vocab_size=512)
+    draft = perturbed_copy(target, 0.05, seed=9).to("cuda")
+    ids = prompt(5, 8, vocab=512).cuda()
+    expected = copy.deepcopy(target).to("cuda").generate(ids, max_new_tokens=24, do_sample=False)
+    layer_bytes = sum(p.numel() * p.element_size() for p in target.model.layers[0].parameters())
+    streamed = load_offloaded(
+        copy.deepcopy(target), max_memory={0: 4 * layer_bytes, "cpu": 10**10}, executor="stream"
+    )
+    assert {"cpu", 0} <= set(streamed.hf_device_map.values())
+    assert isinstance(layer_streamer(streamed), DeviceLayerStreamer)
+    got = streamed.generate(
+        ids, max_new_tokens=24, do_sample=False, assistant_model=draft, speculator="specexec", budget=32
+    )
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_forward_synchronizes_nothing(monkeypatch):
+    """Copies and compute are ordered by events only: no device, stream or event synchronize in a forward."""
+    model = tiny_model("llama", seed=0, num_layers=6, dtype=torch.bfloat16)
+    streamed = streamed_copy(model, layer_map(model, "cpu"), CudaDevice(0), None)
+    ids = prompt(0, 16).cuda()
+    calls = []
+
+    def counted(name, original):
+        def synchronize(*args):
+            calls.append(name)
+            return original(*args)
+
+        return synchronize
+
+    for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+        monkeypatch.setattr(owner, "synchronize", counted(f"{owner.__name__}.synchronize", owner.synchronize))
+    with torch.no_grad():
+        for _ in range(3):
+            streamed(ids)
+    assert calls == []
+    layer_streamer(streamed).close()
+
+
+def quantized_pair(folder: str, weights: str):
+    """A tiny float32 target saved to ``folder``, and a loader of its quanto-quantized copies (held on the CPU)."""
+    from transformers import AutoModelForCausalLM, QuantoConfig
+
+    target = tiny_model("llama", seed=5, num_layers=4, dtype=torch.float32)
+    target.save_pretrained(folder)
+    return target, lambda: AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=QuantoConfig(weights=weights), attn_implementation="sdpa"
+    )
+
+
+needs_quanto = pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="needs optimum-quanto")
+
+
+@needs_quanto
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_quantized_target_streams_packed_weights_and_specexec_equals_its_own_greedy(weights, prefetch):
+    """quanto weights stream as their packed inner tensors and are rebuilt over the ring: same logits, same text."""
+    with tempfile.TemporaryDirectory() as folder:
+        target, load_quantized = quantized_pair(folder, weights)
+        quantized = load_quantized()
+        device_map = layer_map(quantized, "cpu")
+        streamed = stream_on_device(load_quantized(), device_map, OrderCheckingDevice(), prefetch=prefetch)
+    streamer = layer_streamer(streamed)
+    layer = streamed.model.layers[1].mlp.down_proj.weight
+    assert type(layer) is type(quantized.model.layers[1].mlp.down_proj.weight)
+    packed = layer._data._data if weights == "int4" else layer._data  # int4 nests a packed uint8 tensor
+    assert packed.dtype == (torch.uint8 if weights == "int4" else torch.int8)
+    assert streamer._slots[1].buffer.data_ptr() <= packed.data_ptr() < streamer._slots[1].buffer.data_ptr() + (
+        streamer._slots[1].buffer.numel()
+    )
+    float_layer_bytes = sum(p.numel() * p.element_size() for p in target.model.layers[1].parameters())
+    assert streamer._unit_bytes[1] < 0.5 * float_layer_bytes  # the packed bytes are streamed, not a float copy
+    ids = prompt(7, 6)
+    with torch.no_grad():
+        reference = quantized(ids).logits
+        for _ in range(3):
+            assert torch.equal(streamed(ids).logits, reference)
+    expected = quantized.generate(ids, max_new_tokens=20, do_sample=False)
+    got = streamed.generate(
+        ids, max_new_tokens=20, do_sample=False, assistant_model=perturbed_copy(target, 0.05, 6),
+        speculator="specexec", budget=12,
+    )
+    assert got.tolist() == expected.tolist()
+
+
+@needs_quanto
+def test_quantized_weights_on_disk_are_refused_before_writing_anything():
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as offload:
+        _, load_quantized = quantized_pair(folder, "int8")
+        quantized = load_quantized()
+        with pytest.raises(ValueError, match=r"model.layers.0, which holds quantized .* max_memory\['cpu'\]"):
+            stream_on_device(quantized, layer_map(quantized, "disk"), OrderCheckingDevice(), offload)
+        assert not os.listdir(offload)
+
+
+@needs_quanto
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_cuda_quantized_streamed_logits_equal_the_quantized_model_on_the_gpu(weights):
+    """On the GPU, quanto repacks weights for its kernels; the streamer streams that device form."""
+    with tempfile.TemporaryDirectory() as folder:
+        target, load_quantized = quantized_pair(folder, weights)
+        reference = load_quantized().to("cuda")
+        streamed = stream_on_device(load_quantized(), layer_map(reference, "cpu"), CudaDevice(0), prefetch=1)
+    ids = prompt(7, 40).cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(streamed(ids).logits, reference(ids).logits)
+    draft = perturbed_copy(target, 0.05, 6).to("cuda")
+    expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
+    got = streamed.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft, speculator="specexec")
+    assert got.tolist() == expected.tolist()
