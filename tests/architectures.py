@@ -20,6 +20,7 @@ import functools
 import io
 import itertools
 import logging
+import os
 import re
 import signal
 import sys
@@ -367,6 +368,13 @@ def prompt_lengths(tiny: Tiny) -> list[int]:
     return [min(SHORT_PROMPT, max(1, shortest - 1)), max(LONG_PROMPT, 2 * longest + 1)]
 
 
+def matrix_selected(pytest_config) -> bool:
+    """Whether a pytest run asked for full-matrix sweeps: ``-m architectures`` or ``SPECEXEC_ARCHITECTURES=1``."""
+    expression = pytest_config.getoption("markexpr", "") or ""
+    selected = "architectures" in expression and "not architectures" not in expression
+    return selected or os.environ.get("SPECEXEC_ARCHITECTURES") == "1"
+
+
 def _prompt(length: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -512,6 +520,26 @@ def markdown_table(rows: list[dict], max_new_tokens: int = 12, budget: int = 8) 
     return "\n".join(lines) + f"\n\n{len(rows)} model types; {summary}.\n"
 
 
+TABLE_INTRODUCTION = """# Architectures
+
+Every decoder-only causal LM class transformers registers (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), built tiny from
+its default config and decoded greedily with SpecExec and with plain `generate()`. A result is `exact` (the same
+tokens, with at least one tree step run), `refused` (an `UnsupportedModelError` naming the reason) or `skipped`
+(not a standalone text decoder, or plain `generate()` itself fails). A silent mismatch or a crash fails the test.
+
+Regenerate this table (a few minutes on a shared 2-core CPU) and run the matrix as tests, together with
+transformers' own assisted-decoding checks (`tests/test_assisted_parity.py`) on every class rated exact:
+
+```bash
+.venv/bin/python tests/architectures.py --table docs/architectures.md
+.venv/bin/python -m pytest -q -m architectures tests/test_architectures.py tests/test_assisted_parity.py
+```
+
+A fast subset of both (without the marker) runs in CI.
+
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", help="write the Markdown table here")
@@ -530,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table.rsplit("\n\n", 1)[-1].strip(), f"({elapsed:.0f}s)", flush=True)
     if args.table:
         with open(args.table, "w") as handle:
-            handle.write(table)
+            handle.write(TABLE_INTRODUCTION + table)
     return 0
 
 

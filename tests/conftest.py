@@ -43,6 +43,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: loads real models, starts vLLM engines or runs distillation")
+    config.addinivalue_line("markers", "architectures: the full architecture matrix and assisted-decoding sweep")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one (`pytest -m cuda` runs them)")
 
 

@@ -12,8 +12,6 @@ README: ``python tests/architectures.py --table architectures.md``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from architectures import (
     LONG_PROMPT,
@@ -22,6 +20,7 @@ from architectures import (
     build_tiny,
     causal_lm_model_types,
     classify,
+    matrix_selected,
     prompt_lengths,
     tiny_config,
 )
@@ -54,6 +53,7 @@ REFUSED = {
     "gpt_neo": "local-attention",  # local layers whose bias is indexed by cache slot
     "mamba": "stateful",  # recurrent state, no KV cache
     "doge": "tree-attention probe",  # top-k key selection over the cache: the probe goes past keep_window_size
+    "bert": "is_decoder=False",  # bidirectional by default: every plain forward lets tokens see later ones
 }
 
 
@@ -102,16 +102,10 @@ def test_matrix_lists_every_registered_causal_lm():
 # --- full matrix (-m architectures) -----------------------------------------------------------------------------
 
 
-def _matrix_selected(config) -> bool:
-    expression = config.getoption("markexpr", "") or ""
-    selected = "architectures" in expression and "not architectures" not in expression
-    return selected or os.environ.get("SPECEXEC_ARCHITECTURES") == "1"
-
-
 @pytest.mark.architectures
 @pytest.mark.parametrize("model_type", causal_lm_model_types())
 def test_matrix(model_type, request):
     """Every registered causal LM: exact, or refused with a reason. MISMATCH and crashes fail (no xfail here)."""
-    if not _matrix_selected(request.config):
+    if not matrix_selected(request.config):
         pytest.skip("full architecture matrix: run with -m architectures (or SPECEXEC_ARCHITECTURES=1)")
     assert_exact_or_refused(model_type, results_for(model_type))

@@ -56,6 +56,18 @@ class AttentionSpan:
             )
         return allowed
 
+    def sees_no_key(self, attended: torch.Tensor) -> torch.Tensor:
+        """``[n]`` bool: which tokens of a sequence with ``[n]`` bool ``attended`` keys have no attended key at all
+        in their span (themselves and earlier tokens, measured in sequence indices)."""
+        counts = torch.nn.functional.pad(attended.long().cumsum(0), (1, 0))  # counts[i]: attended keys before i
+        indices = torch.arange(attended.numel(), device=attended.device)
+        first = torch.zeros_like(indices)
+        if self.window is not None:
+            first = torch.maximum(first, indices - self.window + 1)
+        if self.chunk is not None:
+            first = torch.maximum(first, indices - indices % self.chunk)
+        return counts[indices + 1] == counts[first]
+
 
 FULL = AttentionSpan()
 
@@ -72,7 +84,8 @@ def decoder_layer_types(config: Any) -> list[str]:
         kind = CHUNKED_ATTENTION
     else:
         kind = FULL_ATTENTION
-    return [kind] * decoder.num_hidden_layers
+    # A config without a layer count (a composite one whose decoder lives elsewhere) declares no layer type.
+    return [kind] * (getattr(decoder, "num_hidden_layers", None) or 0)
 
 
 def attention_spans(config: Any) -> dict[str, AttentionSpan]:

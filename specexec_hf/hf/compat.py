@@ -118,29 +118,46 @@ def forward_inputs(
     cache: DynamicCache,
     visible: torch.Tensor | None,
     extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of a cached forward over ``[batch, n]`` tokens with an optional bool attention pattern
     ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack.
 
-    Sliding and chunked layers get the pattern limited to their span, measured in positions (a dict of masks
-    keyed by layer type when the model mixes types); the tokens' positions are recorded beside the cache.
+    Sliding and chunked layers get the pattern limited to their span, measured in ``span_positions`` (a dict of
+    masks keyed by layer type when the model mixes types), which are recorded beside the cache.
+
+    Args:
+        span_positions: ``[batch, n]`` where the tokens sit for sliding windows and chunks, which transformers
+            measures in sequence indices; ``None``: ``position_ids`` (they differ only where an attention mask
+            with holes shifts the positions).
     """
     kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
     kwargs.update(extra_inputs or {})
     spans = attention_spans(model.config)
-    key_positions = record_positions(cache, position_ids)
+    span_positions = position_ids if span_positions is None else span_positions
+    key_positions = record_positions(cache, span_positions)
     if all(span.is_full for span in spans.values()):
         if visible is not None:
-            kwargs["attention_mask"] = additive_mask(visible, model.dtype)
+            kwargs["attention_mask"] = _attention_mask(model, visible)
         return kwargs
     if visible is None:
         count = position_ids.shape[-1]
         visible = causal_pattern(count, key_positions.shape[-1] - count, position_ids.device)
         visible = visible.expand(position_ids.shape[0], -1, -1)
-    masks = {kind: additive_mask(mask, model.dtype) for kind, mask in
-             span_masks(visible, position_ids, key_positions, spans).items()}
+    masks = {kind: _attention_mask(model, mask) for kind, mask in
+             span_masks(visible, span_positions, key_positions, spans).items()}
     kwargs["attention_mask"] = next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
     return kwargs
+
+
+def _attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
+    """The ``[batch, 1, queries, keys]`` mask ``model``'s attention takes for a bool pattern, in the format
+    transformers itself gives it: bool for SDPA, additive float for eager attention. The two differ on a query that
+    sees no key (masked tokens under a sliding window): SDPA returns zeros for a bool mask, softmax averages all
+    values under a float one."""
+    if model.config._attn_implementation == "sdpa":
+        return visible.view(-1, 1, *visible.shape[-2:])
+    return additive_mask(visible, model.dtype)
 
 
 def batch_logits(
@@ -151,6 +168,7 @@ def batch_logits(
     keep: int | torch.Tensor,
     visible: torch.Tensor | None = None,
     extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
 
@@ -161,8 +179,9 @@ def batch_logits(
         cache: The model's KV cache (batch rows as in ``input_ids``); the new tokens are appended to it.
         keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
         visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        extra_inputs, span_positions: As :func:`forward_inputs`.
     """
-    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs)
+    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs, span_positions)
     if model._supports_logits_to_keep():
         kwargs["logits_to_keep"] = keep
         return model(**kwargs).logits.float()
@@ -178,6 +197,7 @@ def model_logits(
     num_logits: int,
     visible: torch.Tensor | None = None,
     extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One forward over ``input_ids`` on top of ``cache``; the float32 logits of the last ``num_logits`` tokens.
 
@@ -189,9 +209,12 @@ def model_logits(
         num_logits: How many trailing tokens need logits.
         visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
         extra_inputs: Per-token model inputs (``token_type_ids``, ``[1, n]``) beside the tokens.
+        span_positions: ``[n]`` where the tokens sit for sliding windows and chunks (see :func:`forward_inputs`).
     """
     pattern = None if visible is None else visible[None]
-    return batch_logits(model, input_ids[None], position_ids[None], cache, num_logits, pattern, extra_inputs)[0]
+    return batch_logits(
+        model, input_ids[None], position_ids[None], cache, num_logits, pattern, extra_inputs, _batch_of_one(span_positions)
+    )[0]
 
 
 class NodeLogits:
@@ -255,14 +278,19 @@ def node_logits(
     num_nodes: int,
     visible: torch.Tensor,
     extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
 ) -> NodeLogits:
     """One target forward over ``input_ids``; the logits of its last ``num_nodes`` tokens, per node on demand.
 
     Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes.
     """
     if not _head_applies_lazily(model):
-        return NodeLogits(logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs))
-    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs)
+        return NodeLogits(
+            logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs, span_positions)
+        )
+    kwargs = forward_inputs(
+        model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
+    )
     hidden = model.base_model(**kwargs).last_hidden_state
     return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
 
@@ -278,32 +306,103 @@ def traced_node_logits(
     extra_inputs: dict[str, torch.Tensor] | None,
     hidden_states: bool,
     attentions: bool,
+    span_positions: torch.Tensor | None = None,
 ) -> tuple[NodeLogits, Any]:
     """:func:`node_logits` through the model's own forward, which also returns every token's hidden states and
     attention weights as asked (``generate(output_hidden_states=..., output_attentions=...)``)."""
-    kwargs = forward_inputs(model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs)
+    kwargs = forward_inputs(
+        model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
+    )
     outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
     return NodeLogits(logits=outputs.logits[0, -num_nodes:].float()), outputs
+
+
+def _batch_of_one(values: torch.Tensor | None) -> torch.Tensor | None:
+    return None if values is None else values[None]
+
+
+def _compute_device(model: PreTrainedModel) -> torch.device:
+    device = model.get_input_embeddings().weight.device
+    # Offloaded to disk: accelerate's hooks move inputs to where each layer runs.
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _probe_key(model: PreTrainedModel, device: torch.device, probe: str) -> tuple:
+    return (type(model), model.config.to_json_string(), model.config._attn_implementation, model.dtype, device, probe)
+
+
+def check_masked_tokens_supported(model: PreTrainedModel) -> None:
+    """Raises :class:`UnsupportedModelError` unless ``model``'s own cached decoding treats tokens its attention
+    mask hides the way SpecExec does (hidden as keys from every later query), checked numerically per configuration
+    for families outside ``VERIFIED_MODEL_TYPES``."""
+    if model.config.model_type in VERIFIED_MODEL_TYPES:
+        return
+    failure = _masked_tokens_probe(model)
+    if failure:
+        raise UnsupportedModelError(
+            f"The target model ({type(model).__name__}) failed the masked-token probe: {failure}. Its cached decoding "
+            "does not hide the attention_mask's zeros the way a full forward does, so SpecExec cannot follow it: "
+            "drop the masked tokens from the prompt (left padding is fine), or call generate() without "
+            "speculator='specexec'."
+        )
+
+
+@torch.no_grad()
+def _masked_tokens_probe(model: PreTrainedModel) -> str:
+    """Decodes a few tokens after a prompt with masked tokens with plain ``generate()``, scores the same sequence
+    the way SpecExec does (masked keys hidden from every query, ``generate()``'s positions) and returns why their
+    logits differ ("" when they match)."""
+    device = _compute_device(model)
+    key = _probe_key(model, device, "masked tokens")
+    if key in _probe_verdicts:
+        return _probe_verdicts[key]
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(vocab, (1, 2 * PROBE_PREFIX), generator=torch.Generator().manual_seed(1)).to(device)
+    attended = torch.ones(prompt.shape[1], dtype=torch.bool, device=device)
+    attended[1::3] = False  # a hole in every window of three, and a masked last token
+    mask = attended.long()[None]
+    try:
+        plain = model.generate(
+            prompt, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=1,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+        count = len(plain.logits)
+        tokens = plain.sequences[0, : prompt.shape[1] + count - 1]
+        prompt_positions = (attended.long().cumsum(0) - 1).masked_fill(~attended, 0)
+        positions = torch.cat([prompt_positions, prompt_positions[-1] + torch.arange(1, count, device=device)])
+        keys = torch.cat([attended, attended.new_ones(count - 1)])
+        visible = causal_pattern(tokens.numel(), 0, device) & keys
+        ours = model_logits(model, tokens, positions, new_cache(), count, visible,
+                            span_positions=torch.arange(tokens.numel(), device=device))
+        tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+        verdict = ""
+        for step, expected in enumerate(plain.logits):
+            if not torch.allclose(ours[step], expected[0].float(), atol=tolerance, rtol=tolerance):
+                difference = float((ours[step] - expected[0].float()).abs().max())
+                verdict = f"new token {step} gets logits {difference:.3g} away from plain generate()'s"
+                break
+    except Exception as error:  # noqa: BLE001 - any failure here is a refusal, with its reason
+        verdict = f"decoding after masked tokens raised {type(error).__name__}: {error}"
+    _probe_verdicts[key] = verdict
+    return verdict
 
 
 @torch.no_grad()
 def _tree_attention_probe(model: PreTrainedModel) -> str:
     """Scores a tree the way SpecExec does and each of its paths the model's own way; returns why they differ
-    ("" when every node's logits match).
+    ("" when every committed token's and every node's logits match).
 
     The committed prefix is longer than any sliding window or chunk the config declares, and the tree has two
     branches at the root, a second level with two siblings and a third level, so a mask or position that
     follows cache slots instead of each node's own path shows. Verdicts are cached per configuration.
     """
-    device = model.get_input_embeddings().weight.device
-    if device.type == "meta":  # offloaded to disk: accelerate's hooks move inputs to where each layer runs
-        device = torch.device("cpu")
-    key = (type(model), model.config.to_json_string(), model.config._attn_implementation, model.dtype, device)
+    device = _compute_device(model)
+    key = _probe_key(model, device, "tree")
     if key in _probe_verdicts:
         return _probe_verdicts[key]
     declared = [getattr(model.config.get_text_config(decoder=True), field, None) for field in WINDOW_FIELDS]
     reach = max([span.reach() for span in attention_spans(model.config).values()]
-                + [value for value in declared if isinstance(value, int)])
+                + [value for value in declared if isinstance(value, int)], default=0)
     limit = getattr(model.config, "max_position_embeddings", None) or reach + PROBE_PREFIX + 4
     prefix_length = max(2, min(reach + PROBE_PREFIX, limit - 4))
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -321,21 +420,31 @@ def _tree_attention_probe(model: PreTrainedModel) -> str:
     positions = torch.cat([torch.arange(prefix_length), prefix_length - 1 + torch.tensor(depth[1:])]).to(device)
     visible = chain_and_tree_mask(0, prefix_length, visible_tree.to(device))
     try:
-        tree = model_logits(model, tokens, positions, new_cache(), len(parents) - 1, visible)
-        for node in range(1, len(parents)):
+        scored = model_logits(model, tokens, positions, new_cache(), tokens.numel(), visible)
+        tree = scored[prefix_length:]
+        tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
+        # Each committed token as the causal prefix it ends: a model whose plain forward lets tokens see later
+        # ones (an encoder run as a decoder) differs here far more than at the last token.
+        in_sequence = model(input_ids=prefix[None], use_cache=False).logits[0].float()
+        behind = (scored[:prefix_length] - in_sequence).abs().amax(dim=-1)
+        verdict = ""
+        if not torch.allclose(scored[:prefix_length], in_sequence, atol=tolerance, rtol=tolerance):
+            verdict = (f"committed token {int(behind.argmax())} gets logits {float(behind.max()):.3g} away from the "
+                       "same prefix scored in sequence")
+            if getattr(model.config, "is_decoder", None) is False:
+                verdict = ("it attends bidirectionally (config.is_decoder=False, set is_decoder=True for a causal "
+                           f"decoder): {verdict}")
+        for node in range(1, len(parents) if not verdict else 1):
             path = [node]
             while parents[path[-1]] > 0:
                 path.append(parents[path[-1]])
             sequence = torch.cat([prefix, nodes[[n - 1 for n in reversed(path)]]])
             reference = model(input_ids=sequence[None], use_cache=False).logits[0, -1].float()
-            tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
             if not torch.allclose(tree[node - 1], reference, atol=tolerance, rtol=tolerance):
                 difference = float((tree[node - 1] - reference).abs().max())
                 verdict = (f"node {node} (depth {depth[node]}, after {prefix_length} committed tokens) gets logits "
                            f"{difference:.3g} away from the same path scored in sequence")
                 break
-        else:
-            verdict = ""
     except Exception as error:  # noqa: BLE001 - any failure of the model on a tree is a refusal, with its reason
         verdict = f"its forward over a token tree raised {type(error).__name__}: {error}"
     _probe_verdicts[key] = verdict

@@ -35,7 +35,13 @@ from .attention_spans import attention_spans, decoder_layer_types
 from .autobudget import auto_budget_for
 from .calibrated import calibrated_context_match_weights, greedy_draft_temperature
 from .candidate_generator import SpecExecCandidateGenerator
-from .compat import check_same_vocabulary, check_supported, node_logits, traced_node_logits
+from .compat import (
+    check_masked_tokens_supported,
+    check_same_vocabulary,
+    check_supported,
+    node_logits,
+    traced_node_logits,
+)
 from .kv import compact_cache, new_cache
 from .request import check_budget_fits, validate_request
 
@@ -101,9 +107,10 @@ def _outputs_of(
     rows = slice(0, pending) if index == 0 else slice(pending + path[index - 1] - 1, pending + path[index - 1])
     columns = torch.cat([torch.arange(length), length - 1 + torch.tensor(path[:index], dtype=torch.long)])
     prompt = index == 0 and pending == length
-    hidden = tuple(state[:, rows] for state in outputs.hidden_states or ())
+    # Token rows are the second-to-last dimension (Gemma 3n stacks its AltUp streams in front of the batch).
+    hidden = tuple(state[..., rows, :] for state in outputs.hidden_states or ())
     attentions = tuple(
-        weights[:, :, rows][..., (columns if prompt or not reach else columns[-reach:]).to(weights.device)]
+        weights[..., rows, :][..., (columns if prompt or not reach else columns[-reach:]).to(weights.device)]
         for weights, reach in zip(outputs.attentions or (), reaches)
     )
     return hidden, attentions
@@ -183,8 +190,9 @@ def generate(
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
-        model_kwargs: What ``generate()`` prepared: ``attention_mask`` (ones, or left padding), per-token inputs
-            such as ``token_type_ids``, and its own cache bookkeeping (see :mod:`specexec_hf.hf.request`).
+        model_kwargs: What ``generate()`` prepared: ``attention_mask`` and ``position_ids`` (any padding or holes),
+            per-token inputs such as ``token_type_ids``, and its own cache bookkeeping (see
+            :mod:`specexec_hf.hf.request`).
     """
     draft_model = draft_model if draft_model is not None else assistant_model
     if draft_model is None:
@@ -194,6 +202,8 @@ def generate(
         )
     check_supported(model, "target")  # first: an unsupported model's inputs are beside the point
     request = validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
+    if request.has_masked_tokens:
+        check_masked_tokens_supported(model)
     check_same_vocabulary(model, draft_model)
     config = (specexec_config or SpecExecConfig()).updated(
         budget=budget,
@@ -240,22 +250,32 @@ def generate(
         started = time.perf_counter()
         if auto_budget is not None:
             drafter.config = config.updated(budget=auto_budget.choose(depth_left))
-        grown = drafter.grow_tree(sequence[:, padding:], max_depth=depth_left)
+        grown = drafter.grow_tree(request.draft_history(sequence[:, padding:]), max_depth=depth_left)
         tree = grown.tree
         drafted = time.perf_counter()
 
-        # One target forward: the committed tokens it has not seen (ending with the root), then the tree.
+        # One target forward: the committed tokens it has not seen (ending with the root), then the tree. Each node
+        # takes the position after its parent's; sliding windows and chunks count sequence indices, as in plain
+        # decoding, where a node at depth d would sit at index length - 1 + d.
         pending = sequence[0, padding + cached :]
         tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
-        positions = torch.cat([torch.arange(cached, length), tree.positions(length - 1)[1:].cpu()]).to(pending)
+        committed_positions = request.positions_of(cached, length)
+        positions = torch.cat([committed_positions, tree.positions(int(committed_positions[-1]))[1:].cpu()])
+        indices = torch.cat([torch.arange(cached, length), tree.positions(length - 1)[1:].cpu()])
+        positions, indices = positions.to(pending), indices.to(pending)
         visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
+        if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
+            visible[:, :length] &= request.attended_keys(length).to(visible.device)
         extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
         if keep_hidden or keep_attentions:
             logits, outputs = traced_node_logits(
-                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, keep_hidden, keep_attentions
+                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, keep_hidden, keep_attentions,
+                span_positions=indices,
             )
         else:
-            logits = node_logits(model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs)
+            logits = node_logits(
+                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, span_positions=indices
+            )
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []

@@ -1,9 +1,13 @@
 """What a ``generate()`` call asks of SpecExec, checked before anything large is allocated.
 
 Everything ``generate()`` hands the ``custom_generate`` callable is either used the way plain decoding uses it
-(the prompt, left padding, per-token inputs such as ``token_type_ids``), replaced by SpecExec's own bookkeeping
-(the KV cache, ``use_cache``, ``logits_to_keep``, ``cache_position``, default ``position_ids``), or refused with
-a message naming it: nothing is silently dropped.
+(the prompt, its ``attention_mask`` and ``position_ids``, per-token inputs such as ``token_type_ids``), replaced by
+SpecExec's own bookkeeping (the KV cache, ``use_cache``, ``logits_to_keep``, ``cache_position``), or refused with a
+message naming it: nothing is silently dropped.
+
+An ``attention_mask`` may hold zeros anywhere (left padding, right padding, holes). Leading zeros are stripped; the
+other masked tokens stay in the sequence and in the cache, hidden as keys from every query, and each token sits at
+the position ``generate()`` gives it (``position_ids``, which it derives from the mask), exactly as plain decoding.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
+from .attention_spans import attention_spans
 from .compat import logits_width
 
 # generate()'s own decoding bookkeeping and output flags, which SpecExec's loop replaces or honours itself.
@@ -36,11 +41,36 @@ class Request:
         input_ids: ``[1, L]`` prompt without its left padding.
         left_padding: ``[1, P]`` padding tokens, put back in front of the output.
         per_token_inputs: ``{name: [1, L]}`` inputs such as ``token_type_ids``, for the unpadded prompt.
+        attended: ``[L]`` bool, which prompt tokens other tokens may attend to (the ``attention_mask``'s ones).
+        positions: ``[L]`` the prompt tokens' positions; each new token takes the previous one's plus one.
     """
 
     input_ids: torch.Tensor
     left_padding: torch.Tensor
     per_token_inputs: dict[str, torch.Tensor]
+    attended: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def has_masked_tokens(self) -> bool:
+        return not bool(self.attended.all())
+
+    def positions_of(self, start: int, stop: int) -> torch.Tensor:
+        """Positions of committed tokens ``[start, stop)`` (counted without the left padding)."""
+        prompt_length = self.positions.numel()
+        generated = torch.arange(max(start, prompt_length), max(stop, prompt_length)) - prompt_length + 1
+        return torch.cat([self.positions[start:stop], self.positions[-1] + generated])
+
+    def attended_keys(self, length: int) -> torch.Tensor:
+        """``[length]`` bool: which of the first ``length`` committed tokens are visible as keys."""
+        return torch.cat([self.attended[:length], self.attended.new_ones(max(length - self.attended.numel(), 0))])
+
+    def draft_history(self, committed: torch.Tensor) -> torch.Tensor:
+        """The ``[1, n]`` tokens the draft continues: ``committed`` (unpadded) without its masked prompt tokens,
+        whose positions then run 0, 1, ... as ``generate()`` places the tokens the mask keeps."""
+        if not self.has_masked_tokens:
+            return committed
+        return committed[:, self.attended_keys(committed.shape[1]).to(committed.device)]
 
     def inputs_for(self, start: int, length: int, num_nodes: int) -> dict[str, torch.Tensor]:
         """Per-token inputs of a forward over committed tokens ``[start, length)`` and then ``num_nodes`` tree nodes;
@@ -88,7 +118,8 @@ def validate_request(
             f"SpecExec does not pass {unknown} to the target's tree forward, so it cannot guarantee the target's own "
             "output with them; call generate() without them, or without speculator='specexec'."
         )
-    padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
+    attention_mask = model_kwargs.get("attention_mask")
+    padding = _left_padding(attention_mask, input_ids.shape[1])
     prompt = input_ids[:, padding:]
     if padding and (generation_config.output_attentions or generation_config.output_hidden_states):
         raise ValueError(
@@ -106,19 +137,56 @@ def validate_request(
             f"The prompt holds token id {int(outside[0])}, outside the target's vocabulary of {vocab} ids: check that "
             "it was encoded with the target's tokenizer."
         )
+    attended = torch.ones(input_ids.shape[1], dtype=torch.bool) if attention_mask is None else attention_mask[0].bool()
+    attended = attended.cpu()[padding:]  # starts with a token the mask keeps
+    _check_every_query_sees_a_key(model, attended)
     positions = model_kwargs.get("position_ids")
-    if positions is not None and not torch.equal(
-        positions[:, padding:].cpu(), torch.arange(prompt.shape[1]).expand(positions.shape[0], -1)
-    ):
-        raise ValueError("SpecExec places the prompt at positions 0, 1, ...: drop the custom position_ids.")
+    if positions is None:  # generate() derives them from the mask the same way
+        positions = (attended.long().cumsum(-1) - 1).masked_fill(~attended, 0)[None]
+    elif positions.shape != input_ids.shape:
+        raise ValueError(
+            f"SpecExec takes position_ids of the prompt's shape {tuple(input_ids.shape)}, got {tuple(positions.shape)} "
+            "(multi-dimensional positions such as M-RoPE's are not supported)."
+        )
+    else:
+        positions = positions[:, padding:]
     per_token = {}
     for name in PER_TOKEN_INPUTS:
         values = model_kwargs.get(name)
         if values is not None:
             if values.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(values.shape)}; the prompt has {tuple(input_ids.shape)}.")
-            per_token[name] = values[:, padding:]
-    return Request(prompt, input_ids[:, :padding], per_token)
+            per_token[name] = values
+    per_token = {name: values[:, padding:] for name, values in _fed_by_generate(model, input_ids, per_token).items()}
+    return Request(prompt, input_ids[:, :padding], per_token, attended, positions[0].cpu().long())
+
+
+def _fed_by_generate(
+    model: PreTrainedModel, input_ids: torch.Tensor, per_token: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The per-token inputs that plain decoding feeds the model: those its ``prepare_inputs_for_generation`` keeps
+    (CTRL's, for one, drops ``token_type_ids`` and lets the model build its own).
+
+    Raises:
+        ValueError: when it feeds one changed, which SpecExec cannot follow token by token.
+    """
+    if not per_token:
+        return per_token
+    fed = model.prepare_inputs_for_generation(
+        input_ids, past_key_values=DynamicCache(config=model.config), use_cache=True, is_first_iteration=True,
+        **per_token,
+    )
+    kept = {}
+    for name, values in per_token.items():
+        if fed.get(name) is None:
+            continue
+        if not torch.equal(fed[name], values):
+            raise ValueError(
+                f"{type(model).__name__}.prepare_inputs_for_generation changes {name} before the forward, so SpecExec "
+                f"cannot extend it over a tree as plain decoding would; call generate() without {name}."
+            )
+        kept[name] = values
+    return kept
 
 
 def _carries_something(value: Any) -> bool:
@@ -129,17 +197,33 @@ def _carries_something(value: Any) -> bool:
 
 
 def _left_padding(attention_mask: torch.Tensor | None, length: int) -> int:
-    """How many leading tokens ``attention_mask`` pads away; refuses any other zero."""
+    """How many leading tokens ``attention_mask`` pads away."""
     if attention_mask is None:
         return 0
-    row = attention_mask[0].bool()
-    padding = int((~row).cumprod(0).sum())  # the leading run of zeros
-    if not bool(row[padding:].all()) or attention_mask.shape[-1] != length:
+    if attention_mask.shape != (1, length):
         raise ValueError(
-            "SpecExec takes an unpadded or left-padded prompt: the attention_mask may only hold zeros before the "
-            "first real token."
+            f"The attention_mask has shape {tuple(attention_mask.shape)}; SpecExec takes a 2-D mask of the prompt's "
+            f"shape (1, {length})."
         )
-    return padding
+    return int((~attention_mask[0].bool()).cumprod(0).sum())  # the leading run of zeros
+
+
+def _check_every_query_sees_a_key(model: PreTrainedModel, attended: torch.Tensor) -> None:
+    """Refuses a mask that leaves a masked prompt token no attended key inside its sliding window or chunk, unless
+    the model runs SDPA. Eager attention then gives that token the average of every value in the forward (NaNs in
+    float64, which spread to every later token), which depends on what else the forward holds: SpecExec's tree
+    forward holds other tokens than plain decoding's, so it cannot reproduce it."""
+    if model.config._attn_implementation == "sdpa":  # SDPA gives such a query zeros, as SpecExec does
+        return
+    for kind, span in attention_spans(model.config).items():
+        blind = span.sees_no_key(attended).nonzero()
+        if blind.numel():
+            raise ValueError(
+                f"The attention_mask leaves prompt token {int(blind[0])} (after any left padding) no unmasked token "
+                f"within its {kind} span; {model.config._attn_implementation} attention then averages every value "
+                "in the forward for it (NaNs in float64), which SpecExec cannot reproduce. Unmask a token within "
+                "each window, or load the model with attn_implementation='sdpa'."
+            )
 
 
 def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: int, budget: int) -> None:
