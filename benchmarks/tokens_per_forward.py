@@ -1,129 +1,352 @@
-"""Tokens per target forward across draft quality and tree ranking, on the real SmolLM2-135M-Instruct target.
+"""Tokens per target forward with aligned pairs, on the real SmolLM2-135M-Instruct target.
 
-Drafts:
-- draft == target: every step could accept a chain as long as the budget plus the bonus token;
-- the shipped distilled draft;
-- a random draft (a 2-layer Llama with random weights and the target's vocabulary): trees are guesses, so each
-  forward yields about one token, which is the floor SpecExec never goes below.
+Per draft (a copy of the target: draft == target; the self-drafts ``self:int8`` and ``self:int4``, the target with
+quantized weights; the shipped distilled draft), side by side on every prompt, at each budget and temperature:
+SpecExec with online acceptance calibration (the default) and without it (``raw``: ranked by the draft's
+probability; for the shipped draft that is its offline calibration, temperature and context weights), the
+SpecInfer- and Sequoia-style static trees (``--static-max-depth``; their shapes need a depth), and HF assisted
+generation at each constant ``num_assistant_tokens`` (the best one is reported). SpecExec has no depth cap (the
+library default). Acceptance maps carry over from run to run for the same draft, as in a real session.
 
-Rankings, side by side on every prompt: ``previous`` (the draft's probability, max_depth 16: the defaults before
-online calibration), ``draft probability`` (no depth cap) and ``calibrated`` (online acceptance calibration, the
-default; its map carries over from prompt to prompt as in a real session).
+Each draft's top-1 agreement with the target (how often its top token is the target's, along the target's greedy
+answers to held-out prompts) and forward cost (median wall time of a draft forward over the target's, at 16 and at 128 tokens, with the
+draft's real kernels) come first. The trees of the self-drafts are grown, unless ``--quantized-kernels``, by a
+float twin holding the same dequantized weights: quanto's CPU kernels dequantize the weights on every forward,
+which would make the grid several times slower, and tokens per target forward do not depend on the kernel (the
+twin's top-1 agreement with the quantized model is reported).
 
-Greedy output is checked against plain generate() for every prompt. Writes JSON and Markdown to
+Greedy outputs are checked against plain generate(). Writes JSON, Markdown and a PNG plot to
 benchmarks/results/tokens_per_forward/.
-Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 4] [--max-new-tokens 48]
+Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 2] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import platform
+import statistics
+import sys
+import time
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import specexec_hf
-from specexec_hf.tools.prompts import chat_inputs, load_prompts
+from specexec_hf.core.config import SpecExecConfig
+from specexec_hf.tools.bench import (
+    Bench,
+    Run,
+    aligned_draft,
+    greedy_continuations,
+    pick_prompts,
+    sequoia_acceptance,
+)
+from specexec_hf.tools.prompts import chat_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tokens_per_forward"
+DRAFT_LABELS = {"target": "draft == target", "self:int8": "self:int8", "self:int4": "self:int4",
+                "default": "shipped draft"}
+TREE_METHODS = {"specexec": "SpecExec calibrated", "specexec_raw": "SpecExec raw", "specinfer": "SpecInfer-style",
+                "sequoia": "Sequoia-style"}
 
 
-def random_draft(target) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=target.config.vocab_size,
-        hidden_size=target.config.hidden_size,
-        intermediate_size=target.config.intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=target.config.num_attention_heads,
-        num_key_value_heads=target.config.num_key_value_heads,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(target.dtype).eval()
+def dequantized_twin(target: torch.nn.Module, quantized: torch.nn.Module) -> torch.nn.Module:
+    """A float copy of ``target`` whose linear layers hold ``quantized``'s dequantized weights (quanto models cannot
+    be deep-copied themselves)."""
+    from optimum.quanto import QLinear
+
+    twin = copy.deepcopy(target)
+    for name, module in quantized.named_modules():
+        if isinstance(module, QLinear):
+            # A new module, not new data: the LM head may be tied to the (unquantized) embedding.
+            linear = torch.nn.Linear(module.in_features, module.out_features, module.bias is not None)
+            linear.weight = torch.nn.Parameter(module.qweight.dequantize().to(module.qweight.dtype), False)
+            if module.bias is not None:
+                linear.bias = module.bias
+            twin.set_submodule(name, linear)
+    return twin
+
+
+@torch.no_grad()
+def forward_seconds(model: torch.nn.Module, tokens: torch.Tensor, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        model(tokens)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def forward_cost(target, draft, tokens: torch.Tensor, counts=(16, 128), repeats: int = 5) -> dict[str, float]:
+    """Per token count n, the median wall time of a draft forward over the target's on ``tokens[:, :n]``
+    (interleaved, after a warm-up)."""
+    if tokens.shape[1] < max(counts):
+        raise ValueError(f"forward_cost needs {max(counts)} tokens, got {tokens.shape[1]}.")
+    ratios = {}
+    for count in counts:
+        piece = tokens[:, :count]
+        forward_seconds(target, piece, 1), forward_seconds(draft, piece, 1)  # warm-up
+        target_times, draft_times = [], []
+        for _ in range(repeats):
+            target_times += forward_seconds(target, piece, 1)
+            draft_times += forward_seconds(draft, piece, 1)
+        ratios[str(count)] = statistics.median(draft_times) / statistics.median(target_times)
+    return ratios
+
+
+@torch.no_grad()  # not inference_mode: quanto's int4 weights fail under it
+def top1_agreement(a, b, continuations: list[tuple[torch.Tensor, int]]) -> float:
+    """How often ``a`` and ``b`` pick the same next token along each continuation (after its prompt)."""
+    same = total = 0
+    for sequence, prompt_length in continuations:
+        ids = sequence.reshape(1, -1)
+        picks = [model(ids).logits[0, prompt_length - 1 : -1].argmax(-1) for model in (a, b)]
+        same += int((picks[0] == picks[1]).sum())
+        total += picks[0].numel()
+    return same / total
+
+
+def largest_possible(new_tokens: int, budget: int) -> float:
+    """Tokens per target forward if every step committed ``budget + 1`` tokens (the last one what is left)."""
+    return new_tokens / math.ceil(new_tokens / (budget + 1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--sampling-budgets", type=int, nargs="+", default=[64, 256],
+                        help="Budgets run at the sampling temperatures (default 64 256).")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6])
+    parser.add_argument("--drafts", nargs="+", choices=list(DRAFT_LABELS), default=list(DRAFT_LABELS))
+    parser.add_argument("--methods", nargs="+", choices=list(TREE_METHODS), default=list(TREE_METHODS))
+    parser.add_argument("--assistant-tokens", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--static-max-depth", type=int, default=32)
+    parser.add_argument("--calibration-prompts", type=int, default=2,
+                        help="held-out prompts for the drafts' agreement and Sequoia's acceptance vectors")
+    parser.add_argument("--drafts-only", action="store_true",
+                        help="measure the drafts' agreement and cost only, not the grid")
+    parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-random-draft", action="store_true", help="leave out the random draft (slow, floor 1.0)")
+    parser.add_argument("--quantized-kernels", action="store_true",
+                        help="grow the self-drafts' trees with quanto's kernels instead of the dequantized twin")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     target, shipped, tokenizer = specexec_hf.load_default_pair()
-    drafts = {"draft == target": target, "shipped draft": shipped}
-    if not args.no_random_draft:
-        drafts["random 2-layer draft"] = random_draft(target)
-    rankings = {
-        "previous": dict(acceptance_calibration=False, max_depth=16),
-        "draft probability": dict(acceptance_calibration=False),
-        "calibrated": dict(acceptance_calibration=True),
-    }
-    rows = []
-    for prompt in load_prompts("eval")[: args.prompts]:
-        inputs = chat_inputs(tokenizer, prompt)
-        expected = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-        for name, draft in drafts.items():
-            for budget in args.budgets:
-                for ranking, knobs in rankings.items():
-                    stats = specexec_hf.SpecExecStats()
-                    out = target.generate(
-                        **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=draft,
-                        speculator="specexec", budget=budget, specexec_stats=stats, **knobs,
-                    )
-                    rows.append(
-                        {
-                            "draft": name,
-                            "budget": budget,
-                            "ranking": ranking,
-                            "identical_to_plain_greedy": out.tolist() == expected.tolist(),
-                            **stats.summary(),
-                        }
-                    )
-                    print({k: rows[-1][k] for k in ("draft", "budget", "ranking", "new_tokens", "target_forwards")},
-                          flush=True)
 
-    summary = {}
-    for row in rows:
-        key = (row["draft"], row["budget"], row["ranking"])
-        entry = summary.setdefault(key, {"new_tokens": 0, "target_forwards": 0, "all_identical": True})
-        entry["new_tokens"] += row["new_tokens"]
-        entry["target_forwards"] += row["target_forwards"]
-        entry["all_identical"] &= row["identical_to_plain_greedy"]
-    for entry in summary.values():
-        entry["tokens_per_target_forward"] = entry["new_tokens"] / entry["target_forwards"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    def encode(text: str) -> torch.Tensor:
+        return chat_inputs(tokenizer, text)["input_ids"]
+
+    prompt_texts = pick_prompts(args.prompts)
+    prompts = [encode(text) for text in prompt_texts]
+    calibration = [encode(p) for p in pick_prompts(args.calibration_prompts, skip=len(prompt_texts) // 2 + 1)
+                   if p not in prompt_texts]
+    continuations = greedy_continuations(target, calibration, args.max_new_tokens)
+    expected = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=args.max_new_tokens,
+                                do_sample=False)[0, p.shape[1]:].tolist() for p in prompts]
+    tree = SpecExecConfig(max_depth=args.static_max_depth)
     report = {
-        "command": "benchmarks/tokens_per_forward.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": " ".join(["benchmarks/tokens_per_forward.py", *sys.argv[1:]]),
         "machine": platform.platform(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "summary": [{"draft": d, "budget": b, "ranking": r, **entry} for (d, b, r), entry in summary.items()],
-        "runs": rows,
+        "prompts": prompt_texts,
+        "drafts": {},
+        "results": [],
     }
-    (RESULTS / "tokens_per_forward.json").write_text(json.dumps(report, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.drafts:
+        draft = shipped if name == "default" else aligned_draft(target, name)
+        info = {"label": DRAFT_LABELS[name]}
+        timed = torch.cat([sequence for sequence, _ in continuations] * 4)[None, :128]  # real text, >= 128 tokens
+        info["draft_over_target_forward_time"] = forward_cost(target, draft, timed)
+        tree_draft = draft
+        if name in specexec_hf.models.SELF_DRAFTS and not args.quantized_kernels:
+            tree_draft = dequantized_twin(target, draft)
+            info["twin_top1_agreement_with_quantized"] = top1_agreement(draft, tree_draft, continuations)
+        info["top1_agreement"] = top1_agreement(target, draft, continuations)
+        acceptance = sequoia_acceptance(target, tree_draft, continuations, args.temperatures, tree.max_branch,
+                                        args.top_p)
+        info["sequoia_acceptance"] = {str(t): vector for t, vector in acceptance.items()}
+        report["drafts"][name] = info
+        print(name, info, flush=True)
+        if args.drafts_only:
+            write(report, args)
+            continue
+        bench = Bench(target, tree_draft, prompts, args.max_new_tokens, args.top_p, 0, tree, acceptance)
+        runs = []
+        for temperature in args.temperatures:
+            budgets = args.budgets if temperature == 0 else args.sampling_budgets
+            runs += [Run(method, temperature, budget=b) for b in budgets for method in args.methods]
+            runs += [Run("hf_assisted", temperature, assistant_tokens=n) for n in args.assistant_tokens]
+        for results in bench.measure(runs, lambda: None):
+            rows = []
+            for result in results:
+                row = {key: result[key] for key in ("method", "temperature", "budget", "assistant_tokens", "label",
+                                                    "new_tokens", "target_forwards", "draft_forwards",
+                                                    "tokens_per_target_forward")}
+                row["per_prompt"] = [record["tokens_per_target_forward"] for record in result["records"]]
+                if result["temperature"] == 0:
+                    outputs = [record["output"] for record in result["records"]]
+                    row["identical_to_plain_greedy"] = outputs == expected[: len(outputs)]
+                rows.append({"draft": name, "prompts_done": len(result["records"]), **row})
+            print(f"{name}: {len(results[0]['records'])} prompt(s) done", flush=True)
+            report["results"] = [r for r in report["results"] if r["draft"] != name] + rows
+            write(report, args)
+        del bench, tree_draft, draft
+    write(report, args, plot=not args.drafts_only)
+    print((args.out / "tokens_per_forward.md").read_text())
+
+
+def write(report: dict, args: argparse.Namespace, plot: bool = False) -> None:
+    (args.out / "tokens_per_forward.json").write_text(json.dumps(report, indent=1))
+    (args.out / "tokens_per_forward.md").write_text(markdown(report, args))
+    if plot:
+        write_plot(report, args.out / "tokens_per_forward.png", args.max_new_tokens)
+
+
+def _cell(rows: list[dict], draft: str, method: str, temperature: float, budget: int) -> dict | None:
+    return next((r for r in rows if (r["draft"], r["method"], r["temperature"], r["budget"]) ==
+                 (draft, method, temperature, budget)), None)
+
+
+def best_assisted(rows: list[dict], draft: str, temperature: float) -> dict | None:
+    assisted = [r for r in rows if r["draft"] == draft and r["method"] == "hf_assisted"
+                and r["temperature"] == temperature]
+    return max(assisted, key=lambda r: r["tokens_per_target_forward"], default=None)
+
+
+def markdown(report: dict, args: argparse.Namespace) -> str:
+    rows = report["results"]
     lines = [
-        f"Command: `{report['command']}`; {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy; "
-        "tokens per target forward (outputs identical to plain greedy: all rows True below).",
+        (f"Command: `{report['command']}`; {args.prompts} held-out prompts x {args.max_new_tokens} new tokens; tokens "
+        f"per target forward. Static trees: max_depth {args.static_max_depth}; SpecExec: no depth cap."),
         "",
-        "| draft | budget | " + " | ".join(rankings) + " | calibrated / previous | identical |",
-        "|---|---|" + "---|" * (len(rankings) + 2),
+        "| draft | top-1 agreement | draft forward time / target forward time (tokens per forward) |",
+        "|---|---|---|",
     ]
-    for draft in drafts:
-        for budget in args.budgets:
-            entries = [summary[(draft, budget, ranking)] for ranking in rankings]
-            values = [entry["tokens_per_target_forward"] for entry in entries]
-            identical = all(entry["all_identical"] for entry in entries)
-            lines.append(f"| {draft} | {budget} | " + " | ".join(f"{v:.2f}" for v in values)
-                         + f" | {values[-1] / values[0]:.2f}x | {identical} |")
-    (RESULTS / "tokens_per_forward.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for info in report["drafts"].values():
+        costs = ", ".join(f"{ratio:.2f}x ({count})" for count, ratio in info["draft_over_target_forward_time"].items())
+        lines.append(f"| {info['label']} | {info['top1_agreement']:.3f} | {costs} |")
+    twins = {n: i["twin_top1_agreement_with_quantized"] for n, i in report["drafts"].items()
+             if "twin_top1_agreement_with_quantized" in i}
+    if twins:
+        lines += ["", "Trees of the self-drafts grown by their dequantized float twins; twin vs quantized model top-1 "
+                  "agreement: " + ", ".join(f"{n} {a:.4f}" for n, a in twins.items()) + "."]
+    methods = [m for m in TREE_METHODS if any(r["method"] == m for r in rows)]
+    for temperature in sorted({r["temperature"] for r in rows}):
+        greedy = temperature == 0
+        title = "greedy (t=0)" if greedy else f"sampling (t={temperature:g}, top-p {args.top_p:g})"
+        lines += ["", f"## {title}", "", "| draft | budget | " + " | ".join(TREE_METHODS[m] for m in methods)
+                  + " | HF assisted best | largest possible |" + (" identical to greedy |" if greedy else ""),
+                  "|---|---|" + "---|" * (len(methods) + 2 + greedy)]
+        for draft in report["drafts"]:
+            assisted = best_assisted(rows, draft, temperature)
+            budgets = sorted({r["budget"] for r in rows if r["draft"] == draft and r["temperature"] == temperature
+                              and r["budget"] is not None})
+            for budget in budgets:
+                cells = [_cell(rows, draft, m, temperature, budget) for m in methods]
+                values = [f"{c['tokens_per_target_forward']:.2f}" if c else "-" for c in cells]
+                hf = f"{assisted['tokens_per_target_forward']:.2f} (@{assisted['assistant_tokens']})" if assisted else "-"
+                line = (f"| {DRAFT_LABELS[draft]} | {budget} | " + " | ".join(values)
+                        + f" | {hf} | {largest_possible(args.max_new_tokens, budget):.2f} |")
+                if greedy:
+                    checked = [c.get("identical_to_plain_greedy") for c in cells if c] + (
+                        [assisted.get("identical_to_plain_greedy")] if assisted else [])
+                    line += f" {all(checked)} |"
+                lines.append(line)
+    lines += ["", "## Goals", "", *goal_lines(report, args)]
+    return "\n".join(lines) + "\n"
+
+
+def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
+    """The issue's goals, each with the measured figures and met / not met."""
+    rows, lines = report["results"], []
+
+    def tpf(draft, method, temperature, budget):
+        cell = _cell(rows, draft, method, temperature, budget)
+        return cell["tokens_per_target_forward"] if cell else None
+
+    if "target" in report["drafts"]:
+        shares = {b: tpf("target", "specexec", 0.0, b) / largest_possible(args.max_new_tokens, b)
+                  for b in args.budgets if b >= 16 and tpf("target", "specexec", 0.0, b) is not None}
+        if shares:
+            lines.append("- draft == target, greedy, SpecExec >= 0.9 x the largest possible at every budget >= 16: "
+                         + ", ".join(f"{b}: {s:.2f}" for b, s in shares.items())
+                         + f" -> {'met' if min(shares.values()) >= 0.9 else 'not met'}")
+    for draft in report["drafts"]:
+        for temperature in sorted({r["temperature"] for r in rows if r["draft"] == draft}):
+            verdicts = []
+            for budget in sorted({r["budget"] for r in rows if r["draft"] == draft and r["temperature"] == temperature
+                                  and r["budget"] is not None}):
+                ours = tpf(draft, "specexec", temperature, budget)
+                rivals = [v for v in (tpf(draft, m, temperature, budget) for m in ("specinfer", "sequoia")) if v]
+                if ours is not None and rivals:
+                    verdicts.append(f"{budget}: {ours:.2f} vs {max(rivals):.2f} {'ok' if ours >= max(rivals) else 'NO'}")
+            if verdicts:
+                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec >= best static tree: "
+                             + "; ".join(verdicts))
+            assisted, ours = best_assisted(rows, draft, temperature), tpf(draft, "specexec", temperature, 256)
+            if assisted and ours:
+                ratio = ours / assisted["tokens_per_target_forward"]
+                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec@256 / best HF assisted "
+                             f"(@{assisted['assistant_tokens']}) = {ratio:.2f}x (goal >= 2x: "
+                             f"{'met' if ratio >= 2 else 'not met'})")
+            raw = [(b, tpf(draft, "specexec", temperature, b), tpf(draft, "specexec_raw", temperature, b))
+                   for b in args.budgets]
+            raw = [(b, c / r) for b, c, r in raw if c and r]
+            if raw:
+                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, calibrated / raw: "
+                             + ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in raw))
+    return lines
+
+
+def write_plot(report: dict, path: Path, new_tokens: int) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot.", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    temperatures = sorted({r["temperature"] for r in rows})
+    drafts = list(report["drafts"])
+    figure, axes = plt.subplots(len(temperatures), len(drafts), figsize=(4.2 * len(drafts), 3.6 * len(temperatures)),
+                                squeeze=False)
+    for row_axes, temperature in zip(axes, temperatures):
+        for axis, draft in zip(row_axes, drafts):
+            cells = [r for r in rows if r["draft"] == draft and r["temperature"] == temperature]
+            budgets = sorted({r["budget"] for r in cells if r["budget"] is not None})
+            for index, (method, label) in enumerate(TREE_METHODS.items()):
+                points = sorted((r["budget"], r["tokens_per_target_forward"]) for r in cells if r["method"] == method)
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=label, color=f"C{index}")
+            assisted = best_assisted(rows, draft, temperature)
+            if assisted:
+                axis.axhline(assisted["tokens_per_target_forward"], linestyle="--", color="C4",
+                             label=f"HF assisted best (@{assisted['assistant_tokens']})")
+            if temperature == 0 and budgets:
+                axis.plot(budgets, [largest_possible(new_tokens, b) for b in budgets], linestyle=":", color="gray",
+                          label="largest possible")
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(budgets, [str(b) for b in budgets])
+            agreement = report["drafts"][draft]["top1_agreement"]
+            axis.set_title(f"{DRAFT_LABELS[draft]} (top-1 {agreement:.2f})" + (", greedy" if temperature == 0 else f", t={temperature:g}"), fontsize=9)
+            axis.set_xlabel("budget")
+            axis.set_ylabel("tokens per target forward")
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
 from specexec_hf import SpecExecStats
 from specexec_hf.core.acceptance_map import RANK_GROUPS, AcceptanceMap
+from specexec_hf.core.config import SpecExecConfig
+from specexec_hf.core.search import TopCandidates, grow_tree
 
 observations = st.lists(
     st.tuples(st.floats(1e-6, 1.0), st.integers(0, 20), st.booleans()), min_size=0, max_size=200
@@ -83,3 +85,47 @@ def test_draft_equal_to_target_fills_the_forward():
         if not calibrated:
             raw = stats.tokens_per_target_forward
     assert stats.tokens_per_target_forward > 2 * raw
+
+
+def test_a_handful_of_walks_moves_the_whole_curve():
+    """The smooth prior learns from every bin of a rank group: five walks in which the draft's top token always won
+    (at probabilities from 0.5 up) lift the top-token bins no walk visited, and sink the runners-up."""
+    acceptance_map = AcceptanceMap()
+    for top in (0.55, 0.65, 0.75, 0.85, 0.95):
+        probs = torch.tensor([top, (1 - top) * 0.6, (1 - top) * 0.3, (1 - top) * 0.1])
+        acceptance_map.observe(torch.log(probs), torch.arange(4), torch.arange(4) == 0)
+    assert acceptance_map.trials[0, :10].sum() == 0  # no top token below 0.5 was seen
+    assert float(acceptance_map.acceptance(0)[6]) > 2 * 0.1414  # bin [0.1, 0.2): prior 0.141
+    assert float(acceptance_map.acceptance(1)[8]) < 0.5 * 0.3464  # bin [0.3, 0.4) of runners-up: prior 0.346
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    budget=st.integers(1, 40),
+    max_branch=st.integers(1, 8),
+    expand_per_forward=st.integers(1, 6),
+)
+def test_chosen_candidates_grow_the_tree_a_full_score_matrix_grows(seed, budget, max_branch, expand_per_forward):
+    """An expansion may return each node's best children (TopCandidates) instead of vocabulary-wide scores in which
+    every other token is -inf: the search keeps the same tree either way."""
+    vocab = 12
+    config = SpecExecConfig(budget=budget, max_branch=max_branch, expand_per_forward=expand_per_forward)
+
+    def scores_at(pool, nodes):
+        # A node's draft distribution depends on its token and depth only, so both searches see the same draft.
+        rows = [torch.randn(vocab, generator=torch.Generator().manual_seed(seed * 997 + int(token) * 31 + int(depth)))
+                for token, depth in zip(pool.tokens[nodes], pool.depths[nodes])]
+        rows = torch.stack(rows)
+        return torch.log_softmax(rows, -1)
+
+    def full(pool, nodes):
+        top = scores_at(pool, nodes).topk(max_branch, -1)
+        return torch.full((nodes.numel(), vocab), -math.inf).scatter_(-1, top.indices, top.values)
+
+    def chosen(pool, nodes):
+        top = scores_at(pool, nodes).topk(max_branch, -1)
+        return TopCandidates(top.indices, top.values)
+
+    a, b = grow_tree(0, full, config), grow_tree(0, chosen, config)
+    assert torch.equal(a.tree.tokens, b.tree.tokens) and torch.equal(a.tree.parents, b.tree.parents)
+    torch.testing.assert_close(a.tree.logprobs, b.tree.logprobs)

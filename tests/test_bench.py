@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 
+from specexec_hf.core.config import SpecExecConfig
 from specexec_hf.hf import autobudget
 from specexec_hf.tools.bench import (
     Bench,
     Run,
     add_arguments,
+    aligned_draft,
     goals,
     mark_greedy_matches,
     plan,
@@ -35,7 +37,7 @@ def test_every_method_runs_and_matches_greedy_generate(tmp_path):
     runs = [
         Run("autoregressive", 0.0), Run("hf_assisted", 0.0), Run("hf_assisted", 0.0, assistant_tokens=3),
         Run("specinfer", 0.0, budget=8), Run("sequoia", 0.0, budget=8), Run("specexec", 0.0, budget=8),
-        Run("specexec_auto", 0.0, budget="auto"),
+        Run("specexec_auto", 0.0, budget="auto"), Run("specexec_raw", 0.0, budget=8),
     ]
     original_config = draft.generation_config
     rounds = list(bench.measure(runs, lambda: None))
@@ -98,3 +100,24 @@ def test_summary_pools_tokens_per_forward_and_takes_quantiles_across_prompts():
     assert summary["tokens_per_target_forward_p10"] == pytest.approx(2.3)
     assert summary["tokens_per_target_forward_p90"] == pytest.approx(4.7)
     assert summary["host_share"] == pytest.approx(0.2) and summary["mean_tree_size"] == 4
+
+
+def test_specexec_runs_take_their_own_depth_and_raw_turns_calibration_off():
+    target = tiny_model("llama", seed=0)
+    bench = Bench(target, target, [], max_new_tokens=4, top_p=0.9, seed=0, tree=SpecExecConfig(max_depth=5))
+    raw, static = bench.method_kwargs(Run("specexec_raw", 0.0, budget=8)), bench.method_kwargs(Run("specinfer", 0.0, 8))
+    assert raw["acceptance_calibration"] is False and raw["specexec_config"].max_depth is None
+    assert static["specexec_config"].max_depth == 5 and "acceptance_calibration" not in static
+    assert "acceptance_calibration" not in bench.method_kwargs(Run("specexec", 0.0, budget=8))
+
+
+def test_aligned_drafts_are_a_copy_of_the_target_or_its_self_drafts():
+    pytest.importorskip("optimum.quanto")
+    target = tiny_model("llama", seed=0)
+    copy = aligned_draft(target, "target")
+    assert copy is not target  # forward hooks must count the two apart
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), target.state_dict().values()))
+    assert aligned_draft(target, "self:int8") is aligned_draft(target, "self:int8")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--draft", "self:int4"]).draft == "self:int4"

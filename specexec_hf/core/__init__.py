@@ -5,13 +5,14 @@
   Sequoia-style trees behind the same interface, the place for further tree policies;
 - :mod:`.verify`: the acceptance walk of the target's own choices down the tree;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
+- :mod:`.acceptance_map`: the online map from draft probability to acceptance probability;
 - :mod:`.config`: the knobs; :mod:`.stats`: what a generation reports.
 """
 
 from .config import SpecExecConfig
 from .context_match import ContextIndex, mix_context_guesses
 from .masks import additive_mask, chain_and_tree_mask
-from .search import BestFirstSearch, ExpandFn, SearchFn, SearchResult, grow_tree
+from .search import BestFirstSearch, ExpandFn, SearchFn, SearchResult, TopCandidates, grow_tree
 from .static_trees import (
     SequoiaSearch,
     SpecInferSearch,
@@ -37,6 +38,7 @@ __all__ = [
     "StaticTreeSearch",
     "StepStats",
     "TokenTree",
+    "TopCandidates",
     "TreeShape",
     "acceptance_walk",
     "additive_mask",

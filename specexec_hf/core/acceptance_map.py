@@ -9,7 +9,14 @@ target picked, so the map ``p -> P(accepted)`` can be estimated online:
 - candidates are grouped by their rank among their siblings (the draft's top token, the second, the third, the
   rest: under greedy verification the top token is accepted far more often than a sibling of equal ``p``) and
   binned by ``log p``; each bin counts acceptances over trials, starting from a prior worth ``prior_strength``
-  trials at the identity (``P(accepted) = p``, i.e. the draft's own ranking until evidence arrives);
+  trials;
+- the prior is a smooth curve per rank group, ``P(accepted) = sigmoid(a + b logit p)`` (Platt scaling), fitted to
+  all of the group's evidence and itself held near the identity (``a = 0, b = 1``: ``P(accepted) = p``, the
+  draft's own ranking until evidence arrives) by a Gaussian prior: loose on ``a`` (the draft's odds may be off by
+  a factor of several), tight on the slope ``b`` (so that evidence at high ``p`` moves the odds everywhere rather
+  than steepening the curve). A handful of walks moves the whole curve (a draft whose top token always wins lifts
+  every bin of rank 0 at once, including the bins no walk has visited yet), while each bin's own counts take over
+  where they are plentiful;
 - the bins' estimates are made non-decreasing in ``p`` (pool-adjacent-violators, weighted by trials), since a
   likelier candidate is never less likely to be accepted;
 - a candidate's score is ``log P(accepted)``, interpolated linearly in ``log p`` between bin centres, plus a small
@@ -29,17 +36,21 @@ import torch
 DEFAULT_EDGES = (0.0, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 TIE_BREAK = 1e-3  # weight of log p added to the score, far below any estimated difference between bins
 RANK_GROUPS = 4  # ranks 0, 1, 2 and 3+ are estimated separately
+PROB_FLOOR = 1e-9  # keeps logit p finite at the bin centres
+ODDS_PRIOR_SD = 2.0  # prior standard deviation of a, the log of the factor on the draft's odds
+SLOPE_PRIOR_SD = 0.25  # prior standard deviation of the slope b around 1
+NEWTON_STEPS = 25  # of the penalised Platt fit: 2 parameters, converged well before this
 
 
 class AcceptanceMap:
     """Online estimate of ``P(target accepts a candidate | its draft probability)``.
 
     Args:
-        prior_strength: Trials the identity prior is worth in each bin.
+        prior_strength: Trials the smooth prior curve is worth in each bin.
         edges: Bin edges in draft probability, from 0 to 1.
     """
 
-    def __init__(self, prior_strength: float = 8.0, edges: tuple[float, ...] = DEFAULT_EDGES):
+    def __init__(self, prior_strength: float = 4.0, edges: tuple[float, ...] = DEFAULT_EDGES):
         if prior_strength <= 0:
             raise ValueError(f"prior_strength must be positive, got {prior_strength!r}.")
         if edges[0] != 0.0 or edges[-1] != 1.0 or list(edges) != sorted(set(edges)):
@@ -47,8 +58,10 @@ class AcceptanceMap:
         self._log_edges = torch.log(torch.tensor(edges[1:-1], dtype=torch.float64))
         lower, upper = torch.tensor(edges[:-1], dtype=torch.float64), torch.tensor(edges[1:], dtype=torch.float64)
         self._centres = torch.where(lower > 0, (lower * upper).sqrt(), upper / 10)  # geometric, or a decade below
-        self._prior_accepted = prior_strength * self._centres
-        self._prior_trials = torch.full_like(self._centres, prior_strength)
+        self._prior_strength = prior_strength
+        self._curve_penalty = torch.diag(torch.tensor([ODDS_PRIOR_SD, SLOPE_PRIOR_SD], dtype=torch.float64) ** -2)
+        logits = torch.logit(self._centres.clamp(PROB_FLOOR, 1 - PROB_FLOOR))
+        self._features = torch.stack([torch.ones_like(logits), logits], dim=-1)  # [bins, 2]: (1, logit p)
         self.accepted = torch.zeros(RANK_GROUPS, self._centres.numel(), dtype=torch.float64)
         self.trials = torch.zeros_like(self.accepted)
         self._curves: torch.Tensor | None = None
@@ -71,8 +84,9 @@ class AcceptanceMap:
     def acceptance(self, rank: int = 0) -> torch.Tensor:
         """Per bin, the estimated acceptance probability of a candidate of sibling rank ``rank`` (non-decreasing)."""
         group = min(rank, RANK_GROUPS - 1)
-        weights = self._prior_trials + self.trials[group]
-        rates = ((self._prior_accepted + self.accepted[group]) / weights).tolist()
+        prior = self.prior_curve(group)
+        weights = self._prior_strength + self.trials[group]
+        rates = ((self._prior_strength * prior + self.accepted[group]) / weights).tolist()
         weights = weights.tolist()
         # Pool adjacent violators: merge neighbouring bins until the rates never fall.
         blocks: list[list[float]] = []  # [rate, weight, bin count]
@@ -84,6 +98,25 @@ class AcceptanceMap:
                 total = weight1 + weight2
                 blocks.append([(rate1 * weight1 + rate2 * weight2) / total, total, count1 + count2])
         return torch.tensor([rate for rate, _, count in blocks for _ in range(count)], dtype=torch.float64)
+
+    def prior_curve(self, rank: int = 0) -> torch.Tensor:
+        """Per bin, the smooth prior ``sigmoid(a + b logit p)`` for sibling rank ``rank``: the maximum a posteriori
+        Platt fit to the rank group's counts, with a Gaussian prior centred on the identity ``(a, b) = (0, 1)``."""
+        group = min(rank, RANK_GROUPS - 1)
+        features, trials, accepted = self._features, self.trials[group], self.accepted[group]
+        identity = torch.tensor([0.0, 1.0], dtype=torch.float64)
+        penalty = self._curve_penalty
+        params = identity.clone()
+        if trials.sum() > 0:
+            for _ in range(NEWTON_STEPS):  # the penalised log-likelihood is strictly concave: Newton converges
+                rates = torch.sigmoid(features @ params)
+                gradient = features.T @ (accepted - trials * rates) - penalty @ (params - identity)
+                information = (features.T * (trials * rates * (1 - rates))) @ features + penalty
+                step = torch.linalg.solve(information, gradient)
+                params = params + step / max(1.0, float(step.abs().max()) / 4)  # damped while far from the optimum
+                if float(step.abs().max()) < 1e-9:
+                    break
+        return torch.sigmoid(features @ params)
 
     def __call__(self, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
         """Ranking scores for candidates with draft log-probabilities ``logprobs`` and sibling ``ranks`` (same

@@ -17,8 +17,24 @@ import torch
 from .config import SpecExecConfig
 from .tree import TokenTree
 
-ExpandFn = Callable[[TokenTree, torch.Tensor], torch.Tensor]
-"""``expand(pool, nodes) -> logprobs``: the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes``."""
+
+@dataclass
+class TopCandidates:
+    """Each expanded node's best children, already chosen: what an expansion returns when it has ranked them itself
+    (by estimated acceptance, say) and a vocabulary-wide score matrix would be waste.
+
+    Args:
+        tokens: ``[nodes, k]`` child tokens.
+        scores: ``[nodes, k]`` their ranking scores (log-scale, added to the parent's cumulative score).
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+
+
+ExpandFn = Callable[[TokenTree, torch.Tensor], "torch.Tensor | TopCandidates"]
+"""``expand(pool, nodes) -> logprobs``: the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes`` (or, for
+:class:`BestFirstSearch`, their best children as :class:`TopCandidates`)."""
 
 SearchFn = Callable[..., "SearchResult"]
 """``search(root_token, expand, config, max_depth=None, device=None) -> SearchResult``: a tree-growth policy.
@@ -94,17 +110,21 @@ class BestFirstSearch:
             return None
         return frontier[: self.config.expand_per_forward]
 
-    def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor | TopCandidates) -> None:
         """Adds the best ``max_branch`` children of each of ``nodes`` and re-ranks the kept set.
 
         Args:
             nodes: What :meth:`next_nodes` returned.
-            logprobs: ``[len(nodes), vocab]`` the draft's next-token log-probs at ``nodes``.
+            logprobs: ``[len(nodes), vocab]`` the draft's next-token log-probs at ``nodes``, or their best children
+                already chosen (at most ``max_branch`` per node).
         """
         pool = self.pool
         self.forwards += 1
         self.expanded[nodes] = True
-        child_logprobs, child_tokens = logprobs.float().topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
+        if isinstance(logprobs, TopCandidates):
+            child_logprobs, child_tokens = logprobs.scores.float(), logprobs.tokens
+        else:
+            child_logprobs, child_tokens = logprobs.float().topk(min(self.config.max_branch, logprobs.shape[-1]), -1)
         cumulative = pool.logprobs[nodes, None] + child_logprobs.to(pool.device)
         useful = torch.isfinite(cumulative)
         if self._tree_is_full():

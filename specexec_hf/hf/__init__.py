@@ -5,7 +5,8 @@
   draft's KV cache kept across steps (:func:`grow_trees` batches several requests);
 - :mod:`.compat`: what a model must support, checked up front, and the forward/logit helpers;
 - :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
-- :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache.
+- :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache;
+- :mod:`.self_draft`: the target itself, quantized, as a draft (``"self:int4"`` / ``"self:int8"``).
 """
 
 from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_trees

@@ -7,7 +7,6 @@ batched draft forward, padded per request, instead of one forward per request.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, mix_context_guesses
 from ..core.masks import causal_pattern
-from ..core.search import BestFirstSearch, SearchFn, SearchResult, grow_tree
+from ..core.search import BestFirstSearch, SearchFn, SearchResult, TopCandidates, grow_tree
 from ..core.tree import TokenTree
 from .compat import batch_logits, check_supported, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
@@ -87,6 +86,11 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         acceptance_map: AcceptanceMap | None = None,
     ):
         check_supported(draft_model, "draft")
+        if acceptance_map is not None and search is not grow_tree:
+            raise ValueError(
+                "acceptance_map ranks the children of SpecExec's best-first search (grow_tree) only; a static tree "
+                "fixes its own shape: pass acceptance_map=None with this search."
+            )
         self.draft_model = draft_model
         self.config = config
         self.temperature = temperature
@@ -114,7 +118,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         """Grows the tree whose root is the last token of ``input_ids`` (shape ``[1, L]``)."""
         self._begin_tree(input_ids)
 
-        def expand(pool: TokenTree, nodes: torch.Tensor) -> torch.Tensor:
+        def expand(pool: TokenTree, nodes: torch.Tensor) -> torch.Tensor | TopCandidates:
             feed = self._feed(pool, nodes)
             return self._absorb(pool, nodes, forward_feeds(self.draft_model, [feed])[0])
 
@@ -165,8 +169,9 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         positions = pool.positions(len(history) - 1)[nodes]
         return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
 
-    def _absorb(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Records where the fed tokens now sit in the cache; returns the expansion's log-probs."""
+    def _absorb(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | TopCandidates:
+        """Records where the fed tokens now sit in the cache; returns the expansion's log-probs, or with an acceptance
+        map its best ``max_branch`` children per node, ranked by estimated acceptance."""
         if self._pool is None:
             self.cached_ids = list(self._history)
             slots = torch.full((1,), len(self._history) - 1, dtype=torch.long, device=self._device)
@@ -188,8 +193,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         for row, node in enumerate(nodes.tolist()):
             self._candidates[node] = (top_tokens[row], top_logprobs[row])
         ranks = torch.arange(top_tokens.shape[-1]).expand(top_tokens.shape)
-        scores = torch.full_like(logprobs, -math.inf)
-        return scores.scatter_(-1, top_tokens, self.acceptance_map(top_logprobs, ranks))
+        return TopCandidates(top_tokens, self.acceptance_map(top_logprobs, ranks))
 
     def observe(self, result: SearchResult, choices: Sequence[int]) -> None:
         """Teaches the acceptance map what the target chose at each node its walk visited.

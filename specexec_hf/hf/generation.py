@@ -44,6 +44,7 @@ from .compat import (
 )
 from .kv import compact_cache, new_cache
 from .request import check_budget_fits, validate_request
+from .self_draft import resolve_draft
 
 # Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights) setting.
 _acceptance_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = (
@@ -152,8 +153,8 @@ def generate(
     generation_config: GenerationConfig,
     synced_gpus: bool = False,
     streamer: BaseStreamer | None = None,
-    assistant_model: PreTrainedModel | None = None,
-    draft_model: PreTrainedModel | None = None,
+    assistant_model: PreTrainedModel | str | None = None,
+    draft_model: PreTrainedModel | str | None = None,
     specexec_config: SpecExecConfig | None = None,
     specexec_stats: SpecExecStats | None = None,
     budget: int | Literal["auto"] | None = None,
@@ -181,7 +182,10 @@ def generate(
         synced_gpus: Unsupported; must be False.
         streamer: Receives committed tokens in order.
         assistant_model: The draft, as ``generate(assistant_model=...)`` passes it.
-        draft_model: The draft, for callers that bypass ``assistant_model`` (the ``speculator=`` route does).
+        draft_model: The draft, for callers that bypass ``assistant_model`` (the ``speculator=`` route does); also
+            ``"self:int4"`` / ``"self:int8"``, the target itself quantized (:func:`~.self_draft.resolve_draft`),
+            which ``speculator="specexec"`` accepts as ``assistant_model`` too (transformers' own checks would
+            reject a string there on the ``custom_generate=`` route).
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
@@ -195,6 +199,8 @@ def generate(
             :mod:`specexec_hf.hf.request`).
     """
     draft_model = draft_model if draft_model is not None else assistant_model
+    if isinstance(draft_model, str):
+        draft_model = resolve_draft(model, draft_model)
     if draft_model is None:
         raise ValueError(
             "SpecExec needs a draft model: pass assistant_model=<small causal LM with the same tokenizer> "

@@ -1,4 +1,5 @@
-"""Models and drafts: the default SmolLM2 pair, drafts that share their target's embedding, subset heads."""
+"""Models and drafts: the default SmolLM2 pair, drafts that share their target's embedding, self-drafts (the target
+quantized), subset heads."""
 
 from .default_pair import (
     draft_export_path,
@@ -12,11 +13,13 @@ from .drafts import (
     load_draft_export,
     read_draft_export,
 )
+from ..hf.self_draft import SELF_DRAFTS, resolve_draft, self_draft
 from .vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
 
 __all__ = [
     "CONTEXT_MATCH_KEY",
     "GREEDY_TEMPERATURE_KEY",
+    "SELF_DRAFTS",
     "SubsetLMHead",
     "draft_export_path",
     "frequent_tokens",
@@ -24,6 +27,8 @@ __all__ = [
     "load_default_target",
     "load_draft_export",
     "read_draft_export",
+    "resolve_draft",
     "restrict_draft_vocabulary",
+    "self_draft",
     "target_cache_dir",
 ]

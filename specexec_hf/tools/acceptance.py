@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def continuation_logits(
     target: PreTrainedModel,
     draft: PreTrainedModel,

@@ -9,7 +9,11 @@ Every method runs the same target and draft over the same held-out chat prompts:
 - ``specinfer``: a SpecInfer-style tree (k draft beams merged at the root) at each budget;
 - ``sequoia``: a Sequoia-style static tree for the per-rank acceptance vector measured on calibration prompts;
 - ``specexec``: SpecExec's best-first tree at each budget, and ``specexec_auto`` with ``budget="auto"``;
+- ``specexec_raw``: SpecExec with online acceptance calibration off (trees ranked by the draft's probability);
 - ``specexec_draft_only``: SpecExec with context matching off (trees ranked by the draft alone), the ablation.
+
+The static trees take ``--max-depth`` (their shapes are built for one depth); SpecExec takes ``--specexec-max-depth``
+(default: none, the library's default, the depth following the budget and the tokens left).
 
 The tree baselines go through SpecExec's own drafting and verification (``tree_search=``), so they differ from
 SpecExec only in the tree they grow (context matching included, when the draft is calibrated for it). Forward
@@ -32,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -51,12 +55,17 @@ from ..offload import load_offloaded
 from .acceptance import measure_acceptance
 from .prompts import chat_inputs, load_prompts
 
-METHODS = ("autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto", "specexec_draft_only")
-TREE_METHODS = ("specexec", "specexec_draft_only", "specinfer", "sequoia")
+METHODS = (
+    "autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto", "specexec_raw",
+    "specexec_draft_only",
+)
+TREE_METHODS = ("specexec", "specexec_raw", "specexec_draft_only", "specinfer", "sequoia")
+SPECEXEC_METHODS = ("specexec", "specexec_auto", "specexec_raw", "specexec_draft_only")
+DRAFT_CHOICES = ("default", "target", "self:int4", "self:int8")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
-# A depth for every tree method: the static trees' shapes are built for one (uncapped, SpecInfer-style beams would
-# collapse into a single chain), and the kept runs used it.
+# The static trees' depth: their shapes are built for one (uncapped, SpecInfer-style beams would collapse into a
+# single chain), and the kept runs used it.
 TREE_MAX_DEPTH = 16
 DEFAULT_RESULTS = Path("runs") / "bench"  # the kept results pass --out benchmarks/results/<benchmark>
 
@@ -159,8 +168,9 @@ class Bench:
         max_new_tokens: Tokens generated per prompt.
         top_p: Nucleus threshold when sampling.
         seed: Sampling seed (each prompt gets ``seed + index``).
-        tree: ``max_depth`` and ``max_branch`` of every tree method (``budget`` comes from each run).
+        tree: ``max_depth`` and ``max_branch`` of the static trees (``budget`` comes from each run).
         acceptance: Sequoia's acceptance vector per temperature.
+        specexec_max_depth: SpecExec's ``max_depth`` (``None``: no cap beyond the budget and the tokens left).
     """
 
     target: PreTrainedModel
@@ -171,6 +181,7 @@ class Bench:
     seed: int
     tree: SpecExecConfig = field(default_factory=SpecExecConfig)
     acceptance: dict[float, list[float]] = field(default_factory=dict)
+    specexec_max_depth: int | None = None
 
     def sampling_kwargs(self, temperature: float) -> dict[str, Any]:
         if temperature == 0:
@@ -188,17 +199,21 @@ class Bench:
             "sequoia": lambda: SequoiaSearch(self.acceptance[run.temperature]),
             "specexec": lambda: grow_tree,
             "specexec_auto": lambda: grow_tree,
+            "specexec_raw": lambda: grow_tree,
             "specexec_draft_only": lambda: grow_tree,
         }
+        tree = replace(self.tree, max_depth=self.specexec_max_depth) if run.method in SPECEXEC_METHODS else self.tree
         kwargs = {
             "assistant_model": self.draft,
             "speculator": "specexec",
-            "specexec_config": self.tree,
+            "specexec_config": tree,
             "budget": run.budget,
             "tree_search": searches[run.method](),
         }
         if run.method == "specexec_draft_only":
             kwargs["context_match_weights"] = ()
+        if run.method == "specexec_raw":
+            kwargs["acceptance_calibration"] = False
         return kwargs
 
     def generate(self, run: Run, index: int) -> dict[str, Any]:
@@ -341,6 +356,10 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
         target, tokenizer = models.load_default_target()
         draft = truncated_draft(target, int(args.draft.removeprefix("truncated:")))
         draft_info = {"name": f"stand-in: the target's first {draft.config.num_hidden_layers} layers"}
+    elif args.draft == "target" or args.draft in models.SELF_DRAFTS:
+        target, tokenizer = models.load_default_target()
+        draft = aligned_draft(target, args.draft)
+        draft_info = {"name": ALIGNED_DRAFT_NAMES[args.draft]}
     else:
         weights = models.draft_export_path(args.draft)
         target, draft, tokenizer = load_distilled_pair(weights)
@@ -361,6 +380,21 @@ def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedMo
     return target, draft, tokenizer, info
 
 
+ALIGNED_DRAFT_NAMES = {
+    "target": "a copy of the target (draft == target)",
+    "self:int8": "self-draft: the target with int8 weights (optimum-quanto)",
+    "self:int4": "self-draft: the target with int4 weights (optimum-quanto)",
+}
+
+
+def aligned_draft(target: PreTrainedModel, name: str) -> PreTrainedModel:
+    """``"target"``: a copy of the target (a copy, so that forward hooks count the two models apart), or a
+    self-draft (``"self:int4"``, ``"self:int8"``)."""
+    if name == "target":
+        return copy.deepcopy(target)
+    return models.resolve_draft(target, name)
+
+
 def load_distilled_pair(weights: Path) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
     """The default target with a distilled draft export (``weights`` beside its ``.json``), as
     :func:`specexec_hf.models.load_default_pair` builds the shipped one."""
@@ -377,6 +411,28 @@ def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel
     draft.load_state_dict(target.state_dict(), strict=False)
     draft.config._attn_implementation = "sdpa"
     return draft
+
+
+def greedy_continuations(
+    target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int
+) -> list[tuple[torch.Tensor, int]]:
+    """Each ``[1, L]`` prompt followed by the target's greedy continuation, with the prompt's length."""
+    return [(target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=max_new_tokens, do_sample=False)[0],
+             p.shape[1]) for p in prompts]
+
+
+def sequoia_acceptance(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    continuations: Sequence[tuple[torch.Tensor, int]],
+    temperatures: Sequence[float],
+    ranks: int,
+    top_p: float,
+) -> dict[float, list[float]]:
+    """Sequoia's per-rank acceptance vector of ``draft`` at each temperature, on prompts disjoint from the benchmarked
+    ones (``continuations``: what :func:`greedy_continuations` returns); rank 0 at t=0 is the top-1 agreement."""
+    sequences, lengths = [sequence for sequence, _ in continuations], [length for _, length in continuations]
+    return {t: measure_acceptance(target, draft, sequences, lengths, ranks, t, top_p) for t in temperatures}
 
 
 def _parameters(model: torch.nn.Module) -> int:
@@ -476,7 +532,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     meta = report["models"]["draft"].get("meta") or {}
     greedy_fit, match_fit = meta.get(GREEDY_TEMPERATURE_KEY), meta.get(CONTEXT_MATCH_KEY)
     lines += [
-        "", f"Trees: max_depth {tree['max_depth']}, max_branch {tree['max_branch']}. Greedy SpecExec ranks its tree "
+        "", f"Trees: max_depth {tree['max_depth']}, max_branch {tree['max_branch']}; SpecExec's max_depth "
+        f"{tree.get('specexec_max_depth') or 'none (the budget and the tokens left)'}. Greedy SpecExec ranks its tree "
         + (f"at the draft's calibrated temperature {greedy_fit['temperature']:.3f} (fit on {greedy_fit['count']} "
            f"'{greedy_fit['prompts']}' prompts)" if greedy_fit else "at draft temperature 1")
         + (f", mixed with context-match guesses (weights {', '.join(map(str, match_fit['weights']))} for matches of "
@@ -579,7 +636,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Budgets for SpecInfer, Sequoia and specexec_draft_only (default: --budgets).")
     defaults = SpecExecConfig()
     parser.add_argument("--max-depth", type=int, default=TREE_MAX_DEPTH,
-                        help=f"Deepest tree level of every tree method (default {TREE_MAX_DEPTH}).")
+                        help=f"Deepest tree level of the SpecInfer- and Sequoia-style trees (default {TREE_MAX_DEPTH}).")
+    parser.add_argument("--specexec-max-depth", type=int,
+                        help="Deepest tree level of SpecExec (default: no cap beyond the budget and the tokens left).")
     parser.add_argument("--max-branch", type=int, default=defaults.max_branch,
                         help="SpecExec's children per expanded node, and the ranks of Sequoia's acceptance vector "
                         f"(default {defaults.max_branch}).")
@@ -588,8 +647,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6], help="Default 0 and 0.6.")
     parser.add_argument("--top-p", type=float, default=0.9, help="Nucleus threshold when sampling (default 0.9).")
     parser.add_argument("--draft", default="default",
-                        help="'default' (the shipped distilled draft), a distilled draft export (a .safetensors "
-                        "file beside its .json), or 'truncated:N' (the target's first N layers).")
+                        help="'default' (the shipped distilled draft), 'target' (a copy of the target: draft == "
+                        "target), 'self:int4' / 'self:int8' (the target with quantized weights, optimum-quanto), a "
+                        "distilled draft export (a .safetensors file beside its .json), or 'truncated:N' (the "
+                        "target's first N layers).")
     parser.add_argument("--offload", choices=("accelerate", "stream"),
                         help="Run the target offloaded to disk with this executor (default: in memory).")
     parser.add_argument("--calibration-prompts", type=int, default=4,
@@ -612,18 +673,16 @@ def run(args: argparse.Namespace) -> int:
 
     prompt_texts = pick_prompts(args.prompts)
     tree = SpecExecConfig(max_depth=args.max_depth, max_branch=args.max_branch)
-    bench = Bench(target, draft, [encode(p) for p in prompt_texts], args.max_new_tokens, args.top_p, args.seed, tree)
+    bench = Bench(target, draft, [encode(p) for p in prompt_texts], args.max_new_tokens, args.top_p, args.seed, tree,
+                  specexec_max_depth=args.specexec_max_depth)
     runs = plan(args)
     if any(r.method == "sequoia" for r in runs):
         calibration = [encode(p) for p in pick_prompts(args.calibration_prompts, skip=len(prompt_texts) // 2 + 1)
                        if p not in prompt_texts]
-        continuations = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=args.max_new_tokens,
-                                         do_sample=False)[0] for p in calibration]
-        for temperature in args.temperatures:
-            bench.acceptance[temperature] = measure_acceptance(
-                target, draft, continuations, [p.shape[1] for p in calibration], tree.max_branch,
-                temperature, args.top_p,
-            )
+        bench.acceptance = sequoia_acceptance(
+            target, draft, greedy_continuations(target, calibration, args.max_new_tokens), args.temperatures,
+            tree.max_branch, args.top_p,
+        )
     # Warm up kernels, the allocator and budget="auto"'s forward-time profile before anything is timed.
     warmup = Bench(target, draft, bench.prompts[:1], 4, args.top_p, args.seed, tree, bench.acceptance)
     for r in {Run("autoregressive", 0.0), Run("specexec", 0.0, budget=16), *[r for r in runs if r.budget == "auto"]}:

@@ -18,8 +18,9 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft",
-        help="Draft model directory (same tokenizer as the target). Default: the distilled SmolLM2 draft shipped "
-        "with specexec-hf; required with --target.",
+        help="Draft model directory (same tokenizer as the target), or 'self:int4' / 'self:int8' (the target itself "
+        "with quantized weights, optimum-quanto). Default: the distilled SmolLM2 draft shipped with specexec-hf; "
+        "required with --target.",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Tokens to generate at most (default 128).")
     parser.add_argument(
@@ -53,19 +54,29 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_models(args: argparse.Namespace):
-    from ..models import load_default_pair
-
-    if args.target is None:
-        if args.draft is not None:
-            raise SystemExit("--draft needs --target: the default target comes with its own distilled draft.")
-        return load_default_pair()
-    if args.draft is None and not args.no_specexec:
-        raise SystemExit("--target needs --draft (a small model with the same tokenizer), or pass --no-specexec.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..models import SELF_DRAFTS, load_default_pair, load_default_target, resolve_draft
 
     def load(path: str):
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
 
+    if args.draft in SELF_DRAFTS:
+        if args.target is None:
+            target, tokenizer = load_default_target()
+        else:
+            target, tokenizer = load(args.target), AutoTokenizer.from_pretrained(args.target)
+        return target, None if args.no_specexec else resolve_draft(target, args.draft), tokenizer
+    if args.target is None:
+        if args.draft is not None:
+            raise SystemExit(
+                "--draft needs --target (the default target comes with its own distilled draft), unless it names a "
+                f"self-draft: {', '.join(SELF_DRAFTS)}."
+            )
+        return load_default_pair()
+    if args.draft is None and not args.no_specexec:
+        raise SystemExit("--target needs --draft (a small model with the same tokenizer, or a self-draft: "
+                         f"{', '.join(SELF_DRAFTS)}), or pass --no-specexec.")
     draft = None if args.no_specexec else load(args.draft)
     return load(args.target), draft, AutoTokenizer.from_pretrained(args.target)
 
