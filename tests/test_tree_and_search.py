@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specexec_hf import SpecExecConfig, TokenTree, acceptance_walk, grow_tree
+from specexec_hf.core.search import BestFirstSearch, rank_nodes
 
 
 @st.composite
@@ -158,3 +159,28 @@ def test_acceptance_walk_follows_choices_until_the_first_miss(tree, data):
     assert bonus == choices[node]
     assert bonus not in tree.tokens[tree.children(node)].tolist()
     assert acceptance.tokens[:-1] == tree.tokens[acceptance.path].tolist()
+
+
+@given(random_trees(), st.data())
+def test_host_lists_follow_the_tree_as_it_grows(tree, data):
+    for _ in range(data.draw(st.integers(1, 4))):
+        assert tree.host_lists() == (tree.parents.tolist(), tree.tokens.tolist())
+        parents = torch.tensor(data.draw(st.lists(st.integers(0, tree.num_nodes - 1), max_size=3)), dtype=torch.long)
+        tree.add_children(parents, torch.full_like(parents, 11), torch.full(parents.shape, -50.0))
+    assert tree.host_lists() == (tree.parents.tolist(), tree.tokens.tolist())
+    tree.tokens = tree.tokens + 1  # a replaced tensor is read again
+    assert tree.host_lists()[1] == tree.tokens.tolist()
+
+
+@given(search_configs, st.integers(0, 2**16), st.integers(2, 12))
+def test_kept_set_equals_the_ranking_of_the_whole_pool_ties_included(config, seed, vocab):
+    """The search ranks only the old kept set and the new children; with log-probs on a coarse grid (many ties)
+    that must still equal ranking every candidate, lower index first among equals."""
+    generator = torch.Generator().manual_seed(seed)
+    search = BestFirstSearch(3, config)
+    while (nodes := search.next_nodes()) is not None:
+        logprobs = -torch.randint(0, 4, (nodes.numel(), vocab), generator=generator).float() / 2
+        logprobs[:, 0] = -math.inf  # impossible tokens are never added
+        search.add_expansion(nodes, logprobs)
+        assert search.kept.tolist() == rank_nodes(search.pool.logprobs)[: config.budget + 1].tolist()
+        assert not bool(torch.isinf(search.pool.logprobs).any())

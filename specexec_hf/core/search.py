@@ -101,11 +101,12 @@ class BestFirstSearch:
         if self.forward_limit is not None and self.forwards >= self.forward_limit:
             return None
         pool, kept = self.pool, self.kept
-        frontier = kept[~self.expanded[kept] & (pool.depths[kept] < self.depth_limit)]
+        eligible = ~self.expanded[kept] & (pool.depths[kept] < self.depth_limit)
         if self._tree_is_full():
             # A child ranks after its parent and after every node of equal log-prob, so only a parent strictly
             # better than the worst kept node can still place a child inside a full tree.
-            frontier = frontier[pool.logprobs[frontier] > pool.logprobs[kept[-1]]]
+            eligible &= pool.logprobs[kept] > pool.logprobs[kept[-1]]
+        frontier = kept[eligible]  # the search's one host read per draft forward: how many nodes to expand
         if frontier.numel() == 0:
             return None
         return frontier[: self.config.expand_per_forward]
@@ -129,10 +130,16 @@ class BestFirstSearch:
         useful = torch.isfinite(cumulative)
         if self._tree_is_full():
             useful &= cumulative > pool.logprobs[self.kept[-1]]
-        parents = nodes[:, None].expand_as(cumulative)
-        pool.add_children(parents[useful], child_tokens.to(pool.device)[useful], cumulative[useful])
+        added = useful.flatten().nonzero().squeeze(1)  # one host read for the three selections below
+        parents = nodes[:, None].expand_as(cumulative).flatten()[added]
+        tokens = child_tokens.to(pool.device).flatten()[added]
+        first_new = pool.num_nodes
+        pool.add_children(parents, tokens, cumulative.flatten()[added])
         self.expanded = torch.cat([self.expanded, self.expanded.new_zeros(pool.num_nodes - self.expanded.numel())])
-        self.kept = rank_nodes(pool.logprobs)[: self.config.budget + 1]
+        # Adding nodes never reorders the old ones, so the new kept set comes from the old one and the new nodes.
+        # Those follow the old kept set, in index order, and the stable sort breaks ties by index as rank_nodes does.
+        contenders = torch.cat([self.kept, torch.arange(first_new, pool.num_nodes, device=pool.device)])
+        self.kept = contenders[rank_nodes(pool.logprobs[contenders])][: self.config.budget + 1]
 
     def result(self) -> SearchResult:
         """The kept tree (re-indexed, root first) and the pool it came from."""

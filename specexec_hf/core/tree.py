@@ -7,7 +7,7 @@ indices in order visits parents before children.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class TokenTree:
     parents: torch.Tensor
     depths: torch.Tensor
     logprobs: torch.Tensor
+    # [parents, tokens, parents list, tokens list]: host copies of the lists' first nodes, valid while the tensors
+    # are these objects (add_children, which only appends, carries them over).
+    _host: list | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_root(cls, token: int, device: torch.device | str | None = None) -> TokenTree:
@@ -49,10 +52,13 @@ class TokenTree:
     def add_children(self, parents: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Appends nodes under existing ``parents`` with cumulative ``logprobs``; returns their indices."""
         first = self.num_nodes
+        host_is_current = self._host is not None and self._host[0] is self.parents and self._host[1] is self.tokens
         self.tokens = torch.cat([self.tokens, tokens.to(self.tokens)])
         self.parents = torch.cat([self.parents, parents.to(self.parents)])
         self.depths = torch.cat([self.depths, self.depths[parents] + 1])
         self.logprobs = torch.cat([self.logprobs, logprobs.to(self.logprobs)])
+        if host_is_current:
+            self._host[:2] = self.parents, self.tokens
         return torch.arange(first, self.num_nodes, device=self.device)
 
     def select(self, keep: torch.Tensor) -> TokenTree:
@@ -61,7 +67,8 @@ class TokenTree:
         new_index[keep] = torch.arange(keep.numel(), device=self.device)
         old_parents = self.parents[keep]
         parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], -1)
-        if bool((parents[1:] < 0).any()):
+        # The check reads the device; on an accelerator callers (the search) guarantee a closed set instead.
+        if self.device.type == "cpu" and bool((parents[1:] < 0).any()):
             raise ValueError("TokenTree.select: the kept nodes must include the root and every kept node's parent.")
         return TokenTree(self.tokens[keep], parents, self.depths[keep], self.logprobs[keep])
 
@@ -70,12 +77,25 @@ class TokenTree:
         n = self.num_nodes
         rows = torch.arange(n, device=self.device)
         mask = torch.eye(n, dtype=torch.bool, device=self.device)
-        ancestor = self.parents.clone()
-        while bool((ancestor >= 0).any()):
-            has = ancestor >= 0
-            mask[rows[has], ancestor[has]] = True
-            ancestor = torch.where(has, self.parents[ancestor.clamp(min=0)], -1)
+        # The root is its own parent here: a climb that reaches it stays there, marking the root again.
+        parents = self.parents.clamp(min=0)
+        ancestor = parents
+        for _ in range(int(self.depths.max())):  # one host read for the tree's depth, none per level
+            mask[rows, ancestor] = True
+            ancestor = parents[ancestor]
         return mask
+
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        """``(parents, tokens)`` as Python lists (not to be modified), read from the device once per tree: a tree
+        grown by :meth:`add_children` reads only its new nodes."""
+        if self._host is None or self._host[0] is not self.parents or self._host[1] is not self.tokens:
+            self._host = [self.parents, self.tokens, [], []]
+        known = len(self._host[2])
+        if known < self.num_nodes:
+            parents, tokens = torch.stack([self.parents[known:], self.tokens[known:]]).tolist()
+            self._host[2].extend(parents)
+            self._host[3].extend(tokens)
+        return self._host[2], self._host[3]
 
     def positions(self, root_position: int) -> torch.Tensor:
         """Sequence position of each node when the root sits at ``root_position``."""
@@ -83,7 +103,7 @@ class TokenTree:
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for the root)."""
-        parents = self.parents.tolist()
+        parents, _ = self.host_lists()
         path = []
         while node > 0:
             path.append(node)
@@ -100,7 +120,7 @@ class TokenTree:
         """``{(parent, token): child}`` for a walk that looks children up by token."""
         return {
             (parent, token): child
-            for child, (parent, token) in enumerate(zip(self.parents.tolist(), self.tokens.tolist()))
+            for child, (parent, token) in enumerate(zip(*self.host_lists()))
             if parent >= 0
         }
 
@@ -112,7 +132,7 @@ class TokenTree:
         pass from the last node back computes each subtree's best sum.
         """
         gain = self.logprobs.double().exp().tolist()
-        parents = self.parents.tolist()
+        parents, _ = self.host_lists()
         best_child = [-1] * self.num_nodes
         best_value = [0.0] * self.num_nodes
         for node in range(self.num_nodes - 1, 0, -1):

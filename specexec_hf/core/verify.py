@@ -33,7 +33,7 @@ class Acceptance:
 
 def acceptance_walk(tree: TokenTree, choose: ChooseFn) -> Acceptance:
     child_of = tree.child_index()
-    tree_tokens = tree.tokens.tolist()
+    _, tree_tokens = tree.host_lists()
     node, path = 0, []
     while True:
         token = choose(node)

@@ -97,8 +97,9 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         self.search = search
         self.context_match_weights = tuple(context_match_weights)
         self.acceptance_map = acceptance_map
-        # Pool node -> its best max_branch candidates (tokens, draft log-probs), for acceptance_map to learn from.
-        self._candidates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per expansion: (pool nodes, their best max_branch candidate tokens, draft log-probs), for acceptance_map to
+        # learn from; kept on the device until the walk needs a few rows.
+        self._expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
         self.cache = new_cache()
         self.cached_ids: list[int] = []
@@ -108,6 +109,9 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         self._pool_slots = torch.empty(0, dtype=torch.long)
         # The history of the tree being grown.
         self._history: list[int] = []
+        # Row k + 1: which of the tree's fed slots (the cache after cached_ids) the k-th fed node sees; row 0, the
+        # root's, none (the root is committed). Columns past a row's own slot stay False.
+        self._fed_rows = torch.zeros(1, 0, dtype=torch.bool)
 
     @property
     def _device(self) -> torch.device:
@@ -140,7 +144,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
-        self._candidates = {}
+        self._expansions = []
         self._sync_cache(self._history)
         if self._context is not None:
             self._context.sync(self._history)
@@ -150,24 +154,32 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""
         history = self._history
         if self._pool is None:
+            self._fed_rows = torch.zeros(1, 0, dtype=torch.bool, device=self._device)
             pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=self._device)
             positions = torch.arange(len(self.cached_ids), len(history), device=self._device)
             return DraftFeed(self.cache, pending, positions, None, 1)
-        cache_length = self.cache.get_seq_length()
-        # Every ancestor of a node being expanded was itself expanded, hence fed: its slot is already recorded.
-        slots = self._pool_slots
+        committed = len(self.cached_ids)
+        fed = self.cache.get_seq_length() - committed
         count = nodes.numel()
-        rows = torch.arange(count, device=pool.device)
-        visible = torch.zeros(count, cache_length + count, dtype=torch.bool, device=pool.device)
-        visible[:, : len(self.cached_ids)] = True
-        visible[rows, cache_length + rows] = True
-        ancestor = pool.parents[nodes]
-        while bool((ancestor > 0).any()):  # the root (node 0) is a committed token, visible already
-            has = ancestor > 0
-            visible[rows[has], slots[ancestor[has]]] = True
-            ancestor = torch.where(has, pool.parents[ancestor.clamp(min=0)], 0)
+        # A node sees the committed tokens, what its parent sees (every ancestor of a node being expanded was itself
+        # expanded, hence fed) and itself. Gathering the parents' rows needs no host read, unlike climbing the tree.
+        parent_rows = self._fed_rows[self._pool_slots[pool.parents[nodes]] - committed + 1, :fed]
+        own = torch.eye(count, dtype=torch.bool, device=pool.device)
+        visible = torch.cat([parent_rows.new_ones(count, committed), parent_rows, own], dim=1)
+        self._note_fed_rows(fed, visible[:, committed:])
         positions = pool.positions(len(history) - 1)[nodes]
         return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
+
+    def _note_fed_rows(self, fed: int, rows: torch.Tensor) -> None:
+        """Stores the visibility ``rows`` of the nodes fed after the first ``fed`` tree nodes, growing the store
+        geometrically so that a tree of ``n`` nodes copies it ``O(log n)`` times."""
+        needed = 1 + fed + rows.shape[0]
+        if needed > self._fed_rows.shape[0]:
+            capacity = max(needed, 2 * self._fed_rows.shape[0])
+            grown = self._fed_rows.new_zeros(capacity, capacity - 1)
+            grown[: self._fed_rows.shape[0], : self._fed_rows.shape[1]] = self._fed_rows
+            self._fed_rows = grown
+        self._fed_rows[1 + fed : needed, : rows.shape[1]] = rows
 
     def _absorb(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | TopCandidates:
         """Records where the fed tokens now sit in the cache; returns the expansion's log-probs, or with an acceptance
@@ -190,8 +202,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         # Rank by estimated acceptance. The search keeps each node's best max_branch candidates, which a monotone
         # map does not change; they are kept to learn from once the target has walked the tree.
         top_logprobs, top_tokens = logprobs.topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
-        for row, node in enumerate(nodes.tolist()):
-            self._candidates[node] = (top_tokens[row], top_logprobs[row])
+        self._expansions.append((nodes, top_tokens, top_logprobs))
         ranks = torch.arange(top_tokens.shape[-1]).expand(top_tokens.shape)
         return TopCandidates(top_tokens, self.acceptance_map(top_logprobs, ranks))
 
@@ -202,22 +213,31 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             result: The search whose tree the target verified.
             choices: The target's token at the root and at each accepted node after it (the walk's tokens).
         """
-        if self.acceptance_map is None:
+        if self.acceptance_map is None or not self._expansions:
             return
         children = result.tree.child_index()
-        node = 0
+        visited, node = [], 0  # the tree nodes where the target made each choice
         for choice in choices:
-            candidates = self._candidates.get(int(result.pool_index[node]))
-            if candidates is not None:
-                tokens, logprobs = candidates
-                self.acceptance_map.observe(logprobs, torch.arange(tokens.numel()), tokens == choice)
+            visited.append(node)
             node = children.get((node, choice), -1)
             if node < 0:
                 break
+        expanded = torch.cat([nodes for nodes, _, _ in self._expansions])
+        row_of = {node: row for row, node in enumerate(expanded.tolist())}
+        pool_nodes = result.pool_index[torch.tensor(visited, device=result.pool_index.device)].tolist()
+        observed = [(row_of[node], choice) for node, choice in zip(pool_nodes, choices) if node in row_of]
+        if not observed:
+            return
+        rows = torch.tensor([row for row, _ in observed], device=expanded.device)
+        tokens = torch.cat([tokens for _, tokens, _ in self._expansions])[rows]
+        logprobs = torch.cat([logprobs for _, _, logprobs in self._expansions])[rows]
+        chosen = torch.tensor([choice for _, choice in observed], device=tokens.device)
+        ranks = torch.arange(tokens.shape[-1]).expand(tokens.shape)
+        self.acceptance_map.observe(logprobs, ranks, tokens == chosen[:, None])
 
     def _context_matches(self, pool: TokenTree, nodes: torch.Tensor) -> list[tuple[int, dict[int, int]]]:
         """Each node's longest context match: its context is the history followed by the node's path."""
-        parents, tokens = pool.parents.tolist(), pool.tokens.tolist()
+        parents, tokens = pool.host_lists()
         longest = self._context.max_order
         matches = []
         for node in nodes.tolist():

@@ -80,11 +80,12 @@ class TreeLogitsProcessor:
         if not self.processors:
             return logits
         scores = logits.clone()  # the rows are the walk's cached logits; processing must not change them
-        depths = tree.depths[nodes].tolist()
-        for depth in sorted(set(depths)):
-            rows = [i for i, d in enumerate(depths) if d == depth]
-            paths = torch.stack([tree.path_tokens(nodes[i]) for i in rows]).to(prefix_ids)
-            sequences = torch.cat([prefix_ids.expand(len(rows), -1), paths], dim=-1)
+        _, tokens = tree.host_lists()  # read once per tree: the walk calls once per node it visits
+        paths = [[tokens[i] for i in tree.path(node)] for node in nodes]
+        for depth in sorted({len(path) for path in paths}):
+            rows = [i for i, path in enumerate(paths) if len(path) == depth]
+            path_ids = torch.tensor([paths[i] for i in rows], dtype=prefix_ids.dtype).view(len(rows), depth)
+            sequences = torch.cat([prefix_ids.expand(len(rows), -1), path_ids.to(prefix_ids.device)], dim=-1)
             scores[rows] = self.processors(sequences, scores[rows])
         return scores
 
@@ -265,10 +266,10 @@ def generate(
         # decoding, where a node at depth d would sit at index length - 1 + d.
         pending = sequence[0, padding + cached :]
         tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
-        committed_positions = request.positions_of(cached, length)
-        positions = torch.cat([committed_positions, tree.positions(int(committed_positions[-1]))[1:].cpu()])
-        indices = torch.cat([torch.arange(cached, length), tree.positions(length - 1)[1:].cpu()])
-        positions, indices = positions.to(pending), indices.to(pending)
+        committed_positions = request.positions_of(cached, length).to(pending)
+        depths = tree.depths[1:].to(pending)
+        positions = torch.cat([committed_positions, committed_positions[-1] + depths])
+        indices = torch.cat([torch.arange(cached, length, device=pending.device), length - 1 + depths])
         visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
         if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
             visible[:, :length] &= request.attended_keys(length).to(visible.device)
@@ -301,10 +302,12 @@ def generate(
         compact_cache(cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
         cached = length + len(acceptance.path)
 
+        # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
+        extended = torch.cat([sequence, sequence.new_tensor([acceptance.tokens])], dim=-1)
         committed = 0
-        for token, scores, node in zip(acceptance.tokens, step_scores, [0, *acceptance.path]):
-            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
+        for scores, node in zip(step_scores, [0, *acceptance.path]):
             committed += 1
+            sequence = extended[:, : extended.shape[1] - len(acceptance.tokens) + committed]
             if keep_scores:
                 all_scores.append(scores)
             if keep_logits:
