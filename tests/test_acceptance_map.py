@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 from hypothesis import given
@@ -37,6 +39,32 @@ def test_estimates_never_fall_as_the_draft_grows_surer(records):
     for rank in range(RANK_GROUPS):
         scores = acceptance_map(logprobs, torch.full_like(logprobs, rank, dtype=torch.long))
         assert bool((scores[1:] > scores[:-1]).all())  # a likelier candidate always ranks first within a rank
+
+
+@given(records=observations, later=observations, prior_strength=st.floats(0.5, 20.0))
+def test_a_map_read_back_from_json_ranks_and_learns_as_the_original(records, later, prior_strength):
+    original = AcceptanceMap(prior_strength=prior_strength)
+    observe_all(original, records)
+    restored = AcceptanceMap.from_state(json.loads(json.dumps(original.state())))
+    assert restored.state() == original.state()
+    logprobs = torch.log(torch.linspace(1e-6, 1.0, 50)).expand(RANK_GROUPS + 1, -1)
+    ranks = torch.arange(RANK_GROUPS + 1)[:, None].expand_as(logprobs)
+    assert torch.equal(restored(logprobs, ranks), original(logprobs, ranks))
+    before = original.state()
+    observe_all(restored, later)  # the copy learns on its own
+    assert original.state() == before
+    observe_all(original, later)
+    assert torch.equal(restored(logprobs, ranks), original(logprobs, ranks))
+
+
+def test_a_state_from_other_settings_is_refused():
+    state = AcceptanceMap().state()
+    with pytest.raises(ValueError, match="lacks \\['trials'\\]"):
+        AcceptanceMap.from_state({key: value for key, value in state.items() if key != "trials"})
+    with pytest.raises(ValueError, match="other settings"):
+        AcceptanceMap.from_state({**state, "edges": [0.0, 0.5, 1.0]})
+    with pytest.raises(ValueError, match="accepted <= trials"):
+        AcceptanceMap.from_state({**state, "accepted": [[1.0] * len(row) for row in state["trials"]]})
 
 
 def test_without_evidence_the_draft_order_stands():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 
 import pytest
@@ -10,9 +12,20 @@ from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specexec_hf import SpecExecStats
+from specexec_hf import SpecExecStats, models
+from specexec_hf.core.acceptance_map import AcceptanceMap
+from specexec_hf.hf import generation
+from specexec_hf.hf.calibrated import (
+    ACCEPTANCE_MAP_ATTRIBUTE,
+    ACCEPTANCE_MAP_KEY,
+    CONTEXT_MATCH_ATTRIBUTE,
+    starting_acceptance_map,
+)
+from specexec_hf.models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
+from specexec_hf.tools import calibrate
 from specexec_hf.tools.calibrate import (
     GREEDY_TEMPERATURE_ATTRIBUTE,
+    calibrate_draft_acceptance_map,
     calibrate_draft_temperature,
     calibration_prompts,
     fit_temperature,
@@ -89,3 +102,98 @@ def test_calibration_prompts_skip_the_ones_distillation_used() -> None:
     assert len(set(chosen)) == 20 and not used & set(chosen)
     with pytest.raises(SystemExit, match="--count"):
         calibration_prompts("train", len(train), after_distilled=100)
+
+
+def test_offline_acceptance_map_of_a_draft_equal_to_its_target_trusts_the_top_token() -> None:
+    target = tiny_model("llama", seed=3, sharpness=1.0)
+    draft = perturbed_copy(target, 0.0, seed=4)
+    prompts = [torch.tensor([[5, 9, 2, 7]]), torch.tensor([[1, 30, 12]])]
+    acceptance_map = calibrate_draft_acceptance_map(target, draft, prompts, max_new_tokens=20, max_branch=6)
+    assert acceptance_map.trials.sum() == 2 * 20 * 6  # one walk node per answer token, six candidates each
+    assert torch.equal(acceptance_map.accepted[0], acceptance_map.trials[0])  # the top token always wins
+    assert acceptance_map.accepted[1:].sum() == 0
+    record = getattr(draft.config, ACCEPTANCE_MAP_ATTRIBUTE)
+    assert (record["temperature"], record["context_match_weights"], record["max_branch"]) == (1.0, [], 6)
+
+
+def test_generation_starts_from_the_offline_map_at_its_setting_only() -> None:
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.02, seed=1)
+    fitted = calibrate_draft_acceptance_map(target, draft, [torch.tensor([[5, 9, 2, 7]])], max_new_tokens=16)
+    start = starting_acceptance_map(draft, False, 1.0, ())
+    assert start.state() == fitted.state()
+    start.observe(torch.tensor([-0.1]), torch.tensor([0]), torch.tensor([False]))
+    assert starting_acceptance_map(draft, False, 1.0, ()).state() == fitted.state()  # each start is a fresh copy
+    empty = AcceptanceMap().state()
+    assert starting_acceptance_map(draft, True, 1.0, ()).state() == empty  # fitted on greedy walks
+    assert starting_acceptance_map(draft, False, 0.7, ()).state() == empty  # another ranking temperature
+    assert starting_acceptance_map(draft, False, 1.0, (0.5,)).state() == empty  # other context-match weights
+    assert starting_acceptance_map(perturbed_copy(target, 0.02, seed=1), False, 1.0, ()).state() == empty
+
+
+def test_an_offline_map_fills_the_first_call_s_forwards_and_keeps_the_output() -> None:
+    """Draft == target: an online map learns over a few calls that the top token always wins; the offline fit
+    knows it from the first call on. Only the tree changes: the output is the target's greedy one."""
+    target = tiny_model("llama", seed=3, sharpness=1.0)
+    prompt = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    held_out = [torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(seed)) for seed in (7, 8)]
+    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False)
+    per_forward = {}
+    for offline in (False, True):
+        draft = perturbed_copy(target, 0.0, seed=4)
+        if offline:
+            calibrate_draft_acceptance_map(target, draft, held_out, max_new_tokens=32)
+        stats = SpecExecStats()
+        output = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False,
+                                 assistant_model=draft, speculator="specexec", budget=32, specexec_stats=stats)
+        assert output.tolist() == expected.tolist()
+        per_forward[offline] = stats.tokens_per_target_forward
+    assert per_forward[True] >= 0.9 * 32  # 64 tokens in two forwards of budget + 1 = 33, the last one capped
+    assert per_forward[True] > per_forward[False]
+
+
+def test_the_offline_fit_observes_every_node_a_greedy_walk_observes() -> None:
+    """A greedy walk visits nodes on the target's own answer, so what generate() learns online is a part of what
+    the offline fit counts on the same prompt: every position at most once, with the same candidates."""
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.01, seed=2)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    offline = calibrate_draft_acceptance_map(target, draft, [prompt], max_new_tokens=24, max_branch=6)
+    target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                    assistant_model=draft, speculator="specexec", budget=12, max_branch=6)
+    (online,) = generation._acceptance_maps[draft].values()
+    # The call started from a copy of the offline fit (same setting), so what it observed is the difference.
+    observed_trials, observed_accepted = online.trials - offline.trials, online.accepted - offline.accepted
+    assert observed_trials.sum() > 0
+    assert bool((observed_trials <= offline.trials).all()) and bool((observed_accepted <= offline.accepted).all())
+    assert observed_accepted.sum() >= 12  # the walks accepted half the answer's tokens or more: a real overlap
+
+
+@pytest.mark.parametrize("map_only", [False, True])
+def test_calibrate_command_stores_the_acceptance_map_beside_the_fits_it_ranks_with(tmp_path, monkeypatch, map_only):
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.01, seed=2)
+    stored = {GREEDY_TEMPERATURE_KEY: {"temperature": 0.8}, CONTEXT_MATCH_KEY: {"weights": [0.1, 0.3]}, "other": 1}
+    export = tmp_path / "draft.safetensors"
+    export.write_bytes(b"")
+    export.with_suffix(".json").write_text(json.dumps(stored))
+
+    def load_export(_target, _path):
+        setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, stored[GREEDY_TEMPERATURE_KEY]["temperature"])
+        setattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, tuple(stored[CONTEXT_MATCH_KEY]["weights"]))
+        return draft
+
+    monkeypatch.setattr(models, "load_default_target", lambda: (target, None))
+    monkeypatch.setattr(models, "load_draft_export", load_export)
+    monkeypatch.setattr(calibrate, "encode_chats", lambda _tokenizer, prompts: [[5, 9, 2, 7 + i] for i in range(3)])
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    options = ["--draft", str(export), "--count", "3", "--max-new-tokens", "12", "--context-match-orders", "2",
+               "--threads", "1", "--write"]
+    assert calibrate.run(parser.parse_args(options + ["--acceptance-map-only"] * map_only)) == 0
+    meta = json.loads(export.with_suffix(".json").read_text())
+    record = meta[ACCEPTANCE_MAP_KEY]
+    assert record["temperature"] == meta[GREEDY_TEMPERATURE_KEY]["temperature"]
+    assert record["context_match_weights"] == meta[CONTEXT_MATCH_KEY]["weights"]
+    assert sum(map(sum, record["trials"])) == 3 * 12 * 16 and meta["other"] == 1
+    assert (meta[GREEDY_TEMPERATURE_KEY] == stored[GREEDY_TEMPERATURE_KEY]) == map_only  # fitted anew, or kept

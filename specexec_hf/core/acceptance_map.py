@@ -29,6 +29,7 @@ treated as independent). Only the tree changes: the target verifies whatever the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -55,6 +56,7 @@ class AcceptanceMap:
             raise ValueError(f"prior_strength must be positive, got {prior_strength!r}.")
         if edges[0] != 0.0 or edges[-1] != 1.0 or list(edges) != sorted(set(edges)):
             raise ValueError(f"edges must rise strictly from 0 to 1, got {edges!r}.")
+        self._edges = tuple(edges)
         self._log_edges = torch.log(torch.tensor(edges[1:-1], dtype=torch.float64))
         lower, upper = torch.tensor(edges[:-1], dtype=torch.float64), torch.tensor(edges[1:], dtype=torch.float64)
         self._centres = torch.where(lower > 0, (lower * upper).sqrt(), upper / 10)  # geometric, or a decade below
@@ -65,6 +67,44 @@ class AcceptanceMap:
         self.accepted = torch.zeros(RANK_GROUPS, self._centres.numel(), dtype=torch.float64)
         self.trials = torch.zeros_like(self.accepted)
         self._curves: torch.Tensor | None = None
+
+    def state(self) -> dict[str, Any]:
+        """The map as plain JSON-able data: its settings and, per rank group and bin, the counts it has learnt from.
+
+        ``fitted`` (per rank group, each bin's current estimate) is a summary for reading only:
+        :meth:`from_state` recomputes it from the counts.
+        """
+        return {
+            "prior_strength": self._prior_strength,
+            "edges": list(self._edges),
+            "accepted": self.accepted.tolist(),
+            "trials": self.trials.tolist(),
+            "fitted": [self.acceptance(rank).tolist() for rank in range(RANK_GROUPS)],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> AcceptanceMap:
+        """A new map holding what :meth:`state` recorded; it goes on learning independently of the original.
+
+        Args:
+            state: A dict from :meth:`state` (e.g. read back from JSON).
+        """
+        missing = [key for key in ("prior_strength", "edges", "accepted", "trials") if key not in state]
+        if missing:
+            raise ValueError(f"Acceptance map state lacks {missing}: pass a dict made by AcceptanceMap.state().")
+        acceptance_map = cls(float(state["prior_strength"]), tuple(float(edge) for edge in state["edges"]))
+        accepted = torch.tensor(state["accepted"], dtype=torch.float64)
+        trials = torch.tensor(state["trials"], dtype=torch.float64)
+        shape = tuple(acceptance_map.trials.shape)
+        if tuple(accepted.shape) != shape or tuple(trials.shape) != shape:
+            raise ValueError(
+                f"Acceptance map counts must be [rank groups, bins] = {list(shape)} for these edges, got accepted "
+                f"{list(accepted.shape)} and trials {list(trials.shape)}: the state was made with other settings."
+            )
+        if not bool(((accepted >= 0) & (accepted <= trials)).all()):
+            raise ValueError("Acceptance map counts must satisfy 0 <= accepted <= trials in every bin.")
+        acceptance_map.accepted, acceptance_map.trials = accepted, trials
+        return acceptance_map
 
     def _cells(self, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
         bins = torch.bucketize(logprobs.detach().double().cpu(), self._log_edges, right=True)

@@ -1,4 +1,4 @@
-"""What a calibrated draft carries: its greedy tree-ranking temperature and context-match weights.
+"""What a calibrated draft carries: its greedy tree-ranking temperature, context-match weights and acceptance map.
 
 ``specexec-hf calibrate`` (:mod:`specexec_hf.tools.calibrate`) fits them and stores them on the draft's config
 (and in a shipped draft's JSON); greedy ``generate()`` calls read them here.
@@ -6,12 +6,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedModel
+
+from ..core.acceptance_map import AcceptanceMap
 
 GREEDY_TEMPERATURE_ATTRIBUTE = "specexec_greedy_temperature"
 """Attribute of a draft's ``config`` holding its calibrated greedy draft temperature (saved with the config)."""
 CONTEXT_MATCH_ATTRIBUTE = "specexec_context_match_weights"
 """Attribute of a draft's ``config`` holding its calibrated context-match weights (greedy decoding)."""
+ACCEPTANCE_MAP_ATTRIBUTE = "specexec_greedy_acceptance_map"
+"""Attribute of a draft's ``config`` holding its offline greedy acceptance map: :meth:`AcceptanceMap.state` plus the
+``temperature`` and ``context_match_weights`` it was fitted at (JSON-able, saved with the config)."""
+ACCEPTANCE_MAP_KEY = "greedy_acceptance_map"
+"""Key of a draft export's JSON holding the same record (written by ``specexec-hf calibrate --write``)."""
+
+
 def greedy_draft_temperature(draft: PreTrainedModel) -> float:
     """The temperature greedy decoding ranks ``draft``'s trees with: its calibrated one, else 1."""
     calibrated = getattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, None)
@@ -21,3 +32,29 @@ def greedy_draft_temperature(draft: PreTrainedModel) -> float:
 def calibrated_context_match_weights(draft: PreTrainedModel) -> tuple[float, ...]:
     """The context-match weights greedy decoding uses with ``draft``: its calibrated ones, else none."""
     return tuple(getattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, None) or ())
+
+
+def starting_acceptance_map(
+    draft: PreTrainedModel, sampling: bool, temperature: float, match_weights: Sequence[float]
+) -> AcceptanceMap:
+    """A new acceptance map for ranking ``draft``'s trees at this setting: a copy of the draft's offline fit when it
+    was made at this very setting, else an empty map (its prior: the draft's own probabilities).
+
+    The offline fit ranks candidates as greedy verification accepts them, at the draft temperature and context-match
+    weights it was fitted with; any other setting ranks other probabilities, so it starts from the prior.
+
+    Args:
+        draft: The draft model.
+        sampling: Whether the target samples (the offline fit is greedy).
+        temperature: The draft temperature the trees are ranked at.
+        match_weights: The context-match weights mixed into the draft's probabilities.
+    """
+    record = getattr(draft.config, ACCEPTANCE_MAP_ATTRIBUTE, None)
+    if (
+        record is None
+        or sampling
+        or float(record["temperature"]) != float(temperature)
+        or tuple(record["context_match_weights"]) != tuple(match_weights)
+    ):
+        return AcceptanceMap()
+    return AcceptanceMap.from_state(record)

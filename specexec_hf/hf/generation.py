@@ -33,7 +33,7 @@ from ..core.tree import TokenTree
 from ..core.verify import acceptance_walk
 from .attention_spans import attention_spans, decoder_layer_types
 from .autobudget import auto_budget_for
-from .calibrated import calibrated_context_match_weights, greedy_draft_temperature
+from .calibrated import calibrated_context_match_weights, greedy_draft_temperature, starting_acceptance_map
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import (
     check_masked_tokens_supported,
@@ -121,9 +121,13 @@ def _outputs_of(
 def _acceptance_map(
     draft_model: PreTrainedModel, sampling: bool, temperature: float, match_weights: tuple[float, ...]
 ) -> AcceptanceMap:
-    """The acceptance map learnt so far for this draft and ranking setting (it carries over between calls)."""
+    """The acceptance map learnt so far for this draft and ranking setting (it carries over between calls); the first
+    call at a setting starts from the draft's offline fit when it was made at that setting."""
     by_setting = _acceptance_maps.setdefault(draft_model, {})
-    return by_setting.setdefault((sampling, temperature, match_weights), AcceptanceMap())
+    key = (sampling, temperature, match_weights)
+    if key not in by_setting:
+        by_setting[key] = starting_acceptance_map(draft_model, sampling, temperature, match_weights)
+    return by_setting[key]
 
 
 def _draft_temperature(

@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from ..hf.calibrated import CONTEXT_MATCH_ATTRIBUTE, GREEDY_TEMPERATURE_ATTRIBUTE
+from ..hf.calibrated import (
+    ACCEPTANCE_MAP_ATTRIBUTE,
+    ACCEPTANCE_MAP_KEY,
+    CONTEXT_MATCH_ATTRIBUTE,
+    GREEDY_TEMPERATURE_ATTRIBUTE,
+)
 from ..hf.compat import use_sdpa_attention
 from .vocab import restrict_draft_vocabulary
 
@@ -163,6 +168,8 @@ def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrained
         setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, float(meta[GREEDY_TEMPERATURE_KEY]["temperature"]))
     if CONTEXT_MATCH_KEY in meta:
         setattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, tuple(meta[CONTEXT_MATCH_KEY]["weights"]))
+    if ACCEPTANCE_MAP_KEY in meta:
+        setattr(draft.config, ACCEPTANCE_MAP_ATTRIBUTE, meta[ACCEPTANCE_MAP_KEY])
     return draft
 
 

@@ -8,7 +8,10 @@ most of it. :func:`fit_greedy_temperature` picks the ``T`` whose ``softmax(draft
 target's greedy tokens (lowest cross-entropy), and :func:`calibrate_draft_temperature` stores it on the draft,
 where greedy ``generate()`` calls find it (an explicit ``draft_temperature=`` still wins). The tree's shape is
 all it changes: outputs stay exactly the target's. :func:`fit_greedy_context_match` fits, on the same answers,
-the weights of context matching's guesses (:mod:`specexec_hf.core.context_match`) at that temperature.
+the weights of context matching's guesses (:mod:`specexec_hf.core.context_match`) at that temperature, and
+:func:`fit_greedy_acceptance_map` the acceptance map (:mod:`specexec_hf.core.acceptance_map`) that greedy walks
+over those answers teach, at that temperature and those weights: greedy ``generate()`` calls start their online map
+from it instead of from the draft's raw probabilities.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import models
-from ..core.context_match import ContextIndex
-from ..hf.calibrated import GREEDY_TEMPERATURE_ATTRIBUTE
+from ..core.acceptance_map import AcceptanceMap
+from ..core.config import SpecExecConfig
+from ..core.context_match import ContextIndex, mix_context_guesses
+from ..hf.calibrated import (
+    ACCEPTANCE_MAP_ATTRIBUTE,
+    ACCEPTANCE_MAP_KEY,
+    GREEDY_TEMPERATURE_ATTRIBUTE,
+    calibrated_context_match_weights,
+    greedy_draft_temperature,
+)
 from .acceptance import continuation_logits
 from .distill.generate import plan_jobs
 from .distill.sources import read_prompts
@@ -185,16 +196,71 @@ def fit_greedy_context_match(
     draft_probs, guess_probs, orders = [], [], []
     for sequence, prompt_length, (labels, draft_logits) in zip(sequences, prompt_lengths, positions):
         draft_probs.append(torch.softmax(draft_logits / temperature, dim=-1).gather(-1, labels[:, None])[:, 0])
-        tokens, index = sequence.tolist(), ContextIndex(max_order)
-        for offset, label in enumerate(labels.tolist()):
-            context = tokens[: prompt_length + offset]
-            index.sync(context)
-            order, followers = index.longest_match(context)
+        matches = _context_matches(sequence, prompt_length, labels.numel(), max_order)
+        for label, (order, followers) in zip(labels.tolist(), matches):
             orders.append(order)
             guess_probs.append(followers.get(label, 0) / sum(followers.values()) if order else 0.0)
     return fit_context_match_weights(
         torch.cat(draft_probs).cpu(), torch.tensor(guess_probs), torch.tensor(orders), max_order
     )
+
+
+def _context_matches(
+    sequence: torch.Tensor, prompt_length: int, count: int, max_order: int
+) -> list[tuple[int, dict[int, int]]]:
+    """At each of the ``count`` positions after the prompt, the longest context match over the tokens before it."""
+    tokens, index, matches = sequence.tolist(), ContextIndex(max_order), []
+    for offset in range(count):
+        context = tokens[: prompt_length + offset]
+        index.sync(context)
+        matches.append(index.longest_match(context))
+    return matches
+
+
+def fit_greedy_acceptance_map(
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    positions: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    temperature: float,
+    match_weights: Sequence[float] = (),
+    max_branch: int = SpecExecConfig.max_branch,
+) -> AcceptanceMap:
+    """The acceptance map that greedy SpecExec would learn from walking the target's greedy answers.
+
+    A greedy walk visits the nodes on the target's own path: at each of them it learns which of the node's
+    ``max_branch`` likeliest draft candidates (ranked as the tree ranks them: the draft at ``temperature``, mixed
+    with context-match guesses at ``match_weights``) is the target's argmax. Every continuation position of
+    ``sequences`` is such a node, so the map observes each once, as ``generate()`` observes a walk.
+
+    Args:
+        sequences: ``[L]`` token ids, prompt then continuation (the target's greedy answers).
+        prompt_lengths: Prompt length of each sequence.
+        positions: Per sequence, ``(greedy tokens, draft logits)`` from :func:`greedy_positions`.
+        temperature: The draft temperature the tree is ranked at (the fitted greedy one).
+        match_weights: The context-match weights the tree mixes in (the fitted ones; ``()``: none).
+        max_branch: Candidates per node, as ``SpecExecConfig.max_branch``.
+    """
+    if max_branch < 1:
+        raise ValueError(f"max_branch must be at least 1, got {max_branch}.")
+    acceptance_map = AcceptanceMap()
+    for sequence, prompt_length, (labels, draft_logits) in zip(sequences, prompt_lengths, positions):
+        logprobs = torch.log_softmax(draft_logits / temperature, dim=-1)
+        if any(match_weights):
+            matches = _context_matches(sequence, prompt_length, labels.numel(), len(match_weights))
+            logprobs = mix_context_guesses(logprobs, matches, match_weights)
+        top_logprobs, top_tokens = logprobs.topk(min(max_branch, logprobs.shape[-1]), dim=-1)
+        ranks = torch.arange(top_tokens.shape[-1]).expand(top_tokens.shape)
+        acceptance_map.observe(top_logprobs, ranks, top_tokens == labels[:, None])
+    return acceptance_map
+
+
+def acceptance_map_record(
+    acceptance_map: AcceptanceMap, temperature: float, match_weights: Sequence[float], max_branch: int
+) -> dict[str, Any]:
+    """What a draft stores of its offline acceptance map: the map's state and the ranking setting it was fitted at
+    (see :func:`~specexec_hf.hf.calibrated.starting_acceptance_map`)."""
+    return {**acceptance_map.state(), "temperature": temperature, "context_match_weights": list(match_weights),
+            "max_branch": max_branch}
 
 
 def greedy_positions(
@@ -271,6 +337,35 @@ def calibrate_draft_temperature(
     return fit
 
 
+def calibrate_draft_acceptance_map(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int = 64,
+    max_branch: int = SpecExecConfig.max_branch,
+) -> AcceptanceMap:
+    """Fits the greedy acceptance map on the target's greedy answers to ``prompts`` and stores it on the draft.
+
+    The fit ranks candidates at the draft's calibrated greedy temperature and context-match weights (calibrate
+    those first); greedy ``generate()`` calls at that setting then start their online map from a copy of it
+    instead of from the draft's raw probabilities.
+
+    Args:
+        target: The target model.
+        draft: The draft model; its config receives the map (``specexec_greedy_acceptance_map``).
+        prompts: ``[1, L]`` (or ``[L]``) prompt ids, chat-formatted as in use.
+        max_new_tokens: Length of each greedy answer.
+        max_branch: Candidates per node, as ``SpecExecConfig.max_branch``.
+    """
+    temperature, match_weights = greedy_draft_temperature(draft), calibrated_context_match_weights(draft)
+    sequences, lengths = greedy_answers(target, prompts, max_new_tokens)
+    positions = greedy_positions(target, draft, sequences, lengths)
+    acceptance_map = fit_greedy_acceptance_map(sequences, lengths, positions, temperature, match_weights, max_branch)
+    setattr(draft.config, ACCEPTANCE_MAP_ATTRIBUTE,
+            acceptance_map_record(acceptance_map, temperature, match_weights, max_branch))
+    return acceptance_map
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Command line: `specexec-hf calibrate`
 # ----------------------------------------------------------------------------------------------------------
@@ -306,12 +401,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads.")
     parser.add_argument("--context-match-orders", type=int, default=DEFAULT_CONTEXT_MATCH_ORDERS,
                         help="Longest context match to fit a guess weight for (default 6; 0: fit none).")
+    parser.add_argument("--max-branch", type=int, default=SpecExecConfig.max_branch,
+                        help="Candidates per node the acceptance map is fitted on (default: SpecExecConfig's).")
+    parser.add_argument("--acceptance-map-only", action="store_true",
+                        help="Keep the export's stored temperature and context-match weights and fit only the "
+                             "acceptance map, at them.")
     parser.add_argument("--write", action="store_true", help="Store the fits in the export's JSON.")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Fits the draft's greedy temperature and context-match weights; prints the fits and, with ``--write``,
-    stores them in the export's JSON."""
+    """Fits the draft's greedy temperature, context-match weights and acceptance map (with ``--acceptance-map-only``
+    the map alone, at the stored temperature and weights); prints the fits and, with ``--write``, stores them in the
+    export's JSON."""
     torch.set_num_threads(args.threads)
     weights = models.draft_export_path(args.draft)
     prompts = calibration_prompts(args.prompts, args.count, args.after_distilled, args.seed)
@@ -322,17 +423,28 @@ def run(args: argparse.Namespace) -> int:
     positions = greedy_positions(target, draft, sequences, lengths)
     source = {"prompts": args.prompts, "after_distilled": args.after_distilled, "seed": args.seed,
               "count": args.count, "max_new_tokens": args.max_new_tokens}
-    temperature = fit_greedy_temperature(positions)
-    records = {models.GREEDY_TEMPERATURE_KEY: {**temperature.as_dict(), **source}}
-    if args.context_match_orders > 0:
-        match = fit_greedy_context_match(sequences, lengths, positions, temperature.temperature,
-                                         args.context_match_orders)
-        records[models.CONTEXT_MATCH_KEY] = {**match.as_dict(), "temperature": temperature.temperature, **source}
+    records: dict[str, dict[str, Any]] = {}
+    if args.acceptance_map_only:
+        temperature, match_weights = greedy_draft_temperature(draft), calibrated_context_match_weights(draft)
+    else:
+        fit = fit_greedy_temperature(positions)
+        temperature, match_weights = fit.temperature, ()
+        records[models.GREEDY_TEMPERATURE_KEY] = {**fit.as_dict(), **source}
+        if args.context_match_orders > 0:
+            match = fit_greedy_context_match(sequences, lengths, positions, temperature, args.context_match_orders)
+            match_weights = match.weights
+            records[models.CONTEXT_MATCH_KEY] = {**match.as_dict(), "temperature": temperature, **source}
+    acceptance_map = fit_greedy_acceptance_map(sequences, lengths, positions, temperature, match_weights,
+                                               args.max_branch)
+    records[ACCEPTANCE_MAP_KEY] = {
+        **acceptance_map_record(acceptance_map, temperature, match_weights, args.max_branch), **source
+    }
     print(json.dumps(records, indent=2))
     if args.write:
         meta_path = weights.with_suffix(".json")
         meta = json.loads(meta_path.read_text())
-        meta.pop(models.CONTEXT_MATCH_KEY, None)  # a fit at another temperature would no longer hold
+        if not args.acceptance_map_only:  # a context-match fit at another temperature would no longer hold
+            meta.pop(models.CONTEXT_MATCH_KEY, None)
         meta.update(records)
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         print(f"wrote {', '.join(records)} to {meta_path}", file=sys.stderr)
