@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -51,8 +52,9 @@ class Request:
     attended: torch.Tensor
     positions: torch.Tensor
 
-    @property
+    @cached_property
     def has_masked_tokens(self) -> bool:
+        # Read every step; the prompt's mask never changes.
         return not bool(self.attended.all())
 
     def positions_of(self, start: int, stop: int) -> torch.Tensor:
