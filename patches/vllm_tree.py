@@ -9,7 +9,8 @@ it. This patch turns the draft rows of requests that carry a SpecExec tree into 
    are recomputed with ``scaled_dot_product_attention`` over the request's KV gathered through the block table,
    under a ``[prefix | ancestor]`` mask (prefill chunks and chain requests in the same batch keep the native
    result);
-3. acceptance: the target's greedy choice at each node is walked down the tree
+3. acceptance: the target's own choice at each node (its argmax, or a draw from its processed distribution with the
+   request's generator, :func:`node_choices`) is walked down the tree
    (:func:`~specexec_hf.core.verify.acceptance_walk`) in place of the rejection sampler, and the accepted
    tokens plus the bonus token are emitted in the ``-1``-padded layout vLLM's bookkeeping reads, so the
    scheduler rolls ``num_computed_tokens`` back by the rejected count as it does for chains;
@@ -17,7 +18,7 @@ it. This patch turns the draft rows of requests that carry a SpecExec tree into 
    after the root (through the backend's own ``do_kv_cache_update``), which is where the next step, and the
    prefix cache, expect the committed tokens.
 
-Only greedy requests without history-dependent logit processing get trees (the proposer decides, see
+Only requests without history-dependent logit processing get trees (the proposer decides, see
 :func:`request_takes_tree`); every other request in the batch is sampled by vLLM's own sampler. Engines the
 patch does not cover are refused at start: see :func:`check_runner`.
 """
@@ -59,7 +60,8 @@ def check_vllm_version(version: str) -> None:
 
 
 def request_takes_tree(sampling_params: Any) -> bool:
-    """Whether a request's next token is the plain argmax of the target's logits, so a greedy tree walk is exact.
+    """Whether the tree walk reproduces the request's next-token choice exactly: greedy, or sampled from the target's
+    logits under temperature, min-p, top-k and top-p only (:func:`node_choices` applies them at every node).
 
     Penalties, bad words and ``min_tokens`` depend on the tokens before each node, and logit bias, allowed tokens,
     logprobs and structured output change or read the processed logits; such requests are verified without a
@@ -70,8 +72,7 @@ def request_takes_tree(sampling_params: Any) -> bool:
     """
     p = sampling_params
     return (
-        p.temperature < 1e-5
-        and p.presence_penalty == 0.0
+        p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
         and not p.bad_words
@@ -81,6 +82,71 @@ def request_takes_tree(sampling_params: Any) -> bool:
         and p.logprobs is None
         and p.structured_outputs is None
     )
+
+
+@dataclass(frozen=True)
+class NodeSampling:
+    """How a sampled request turns the target's logits at a node into its next token, as vLLM's sampler does.
+
+    Args:
+        temperature: Above vLLM's greedy threshold (``1e-5``).
+        top_k: Tokens kept; 0 or the vocabulary size keeps all.
+        top_p: Nucleus mass kept; 1 keeps all.
+        min_p: Tokens below ``min_p`` times the top probability are dropped; 0 keeps all.
+        generator: The request's own generator (a seeded request), else ``None`` for torch's default one.
+    """
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+
+
+GREEDY_EPSILON = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
+
+
+def node_sampling(sampling_params: Any, generator: torch.Generator | None) -> NodeSampling | None:
+    """The request's :class:`NodeSampling`, or ``None`` for a greedy request.
+
+    Args:
+        sampling_params: The request's ``vllm.SamplingParams``.
+        generator: Its generator (``CachedRequestState.generator``), ``None`` unless it was given a seed.
+    """
+    p = sampling_params
+    if p.temperature < GREEDY_EPSILON:
+        return None
+    return NodeSampling(float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p), generator)
+
+
+def node_choices(logits: torch.Tensor, sampling: NodeSampling | None) -> torch.Tensor:
+    """The target's own choice at every node: ``[nodes]`` tokens from ``[nodes, vocab]`` logits.
+
+    Greedy: the argmax. Sampled: one independent draw per node from the distribution vLLM's sampler draws from
+    (temperature, then min-p, then vLLM's own top-k/top-p masking, in its order); the walk reads the draws of the
+    nodes it visits only, so every emitted token is a draw from the target's distribution given the tokens before.
+    """
+    if sampling is None:
+        return logits.argmax(dim=-1)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    logits = logits.float() / sampling.temperature
+    if sampling.min_p > 0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), -float("inf"))
+    rows, vocab = logits.shape
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab else None
+    top_p = sampling.top_p if sampling.top_p < 1.0 else None
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(
+            logits,
+            None if top_k is None else torch.full((rows,), top_k, dtype=torch.long, device=logits.device),
+            None if top_p is None else torch.full((rows,), top_p, dtype=torch.float32, device=logits.device),
+        )
+    probs = logits.softmax(dim=-1)
+    # Exponential race (argmax of p / E, E ~ Exp(1)) picks token i with probability p_i, without a host sync.
+    noise = torch.empty_like(probs).exponential_(generator=sampling.generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def chain_tree(tokens: list[int]) -> TokenTree:
@@ -216,6 +282,7 @@ class TreeStats:
     Args:
         steps: Forwards that verified at least one tree or chain.
         trees: Proposed trees verified.
+        sampled_trees: Those of sampled requests (the rest are greedy).
         tree_nodes: Their draft nodes (roots excluded).
         accepted_nodes: Their accepted draft nodes.
         moved_nodes: Accepted nodes whose KV had to move (a path through a non-first sibling).
@@ -225,6 +292,7 @@ class TreeStats:
 
     steps: int = 0
     trees: int = 0
+    sampled_trees: int = 0
     tree_nodes: int = 0
     accepted_nodes: int = 0
     moved_nodes: int = 0
@@ -334,9 +402,11 @@ class TreeVerifier:
         paths: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
         for row, item in trees.items():
-            node_logits = logits[starts[row] : starts[row] + item.tree.num_nodes]
-            choices = node_logits.argmax(dim=-1).tolist()
-            choices[0] = root_tokens[row]
+            state = self.runner.requests[item.req_id]
+            sampling = node_sampling(state.sampling_params, state.generator)
+            self.stats.sampled_trees += int(sampling is not None and item.proposed)
+            choices = node_choices(logits[starts[row] + 1 : starts[row] + item.tree.num_nodes], sampling).tolist()
+            choices.insert(0, root_tokens[row])
             walk = acceptance_walk(item.tree, choices.__getitem__)
             paths[row], emitted[row] = walk.path, walk.tokens
         width = max(len(tokens) for tokens in emitted.values())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 
 from specexec_hf.core.config import SpecExecConfig
-from specexec_hf.hf import autobudget
+from specexec_hf.hf import autobudget, calibrated
 from specexec_hf.tools.bench import (
     Bench,
     Run,
@@ -27,6 +28,27 @@ from specexec_hf.tools.bench import (
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path))
     monkeypatch.setattr(autobudget, "_profiles", {})
+
+
+def test_each_run_learns_in_its_own_maps_after_its_warmup():
+    """Each run's maps learn from its warm-up prompt and its measured prompt only, exactly as a generate() session
+    over those two prompts would; the draft's shared maps never see them."""
+    target = tiny_model("llama", seed=0)
+    draft = perturbed_copy(target, 0.05, seed=1)
+    warmup, prompt = (torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(i)) for i in (7, 8))
+    bench = Bench(target, draft, [prompt], max_new_tokens=16, top_p=0.9, seed=0, warmup_prompts=[warmup])
+    runs = [Run("specexec", 0.0, budget=6), Run("specexec", 0.0, budget=12)]
+    list(bench.measure(runs, lambda: None))
+    assert calibrated._shared_maps.get(draft) is None
+    for run in runs:
+        session: dict = {}
+        with calibrated.separate_acceptance_maps(draft, session):
+            replace(bench, prompts=[warmup]).generate(run, 0)
+            bench.generate(run, 0)
+        ((setting, expected),) = session.items()
+        learnt = bench.acceptance_maps[run][setting]
+        assert expected.trials.sum() > 0
+        assert torch.equal(learnt.trials, expected.trials) and torch.equal(learnt.accepted, expected.accepted)
 
 
 def test_every_method_runs_and_matches_greedy_generate(tmp_path):

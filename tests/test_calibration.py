@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from specexec_hf import SpecExecStats, models
 from specexec_hf.core.acceptance_map import AcceptanceMap
-from specexec_hf.hf import generation
+from specexec_hf.hf import calibrated
 from specexec_hf.hf.calibrated import (
     ACCEPTANCE_MAP_ATTRIBUTE,
     ACCEPTANCE_MAP_KEY,
@@ -161,7 +161,7 @@ def test_the_offline_fit_observes_every_node_a_greedy_walk_observes() -> None:
     offline = calibrate_draft_acceptance_map(target, draft, [prompt], max_new_tokens=24, max_branch=6)
     target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
                     assistant_model=draft, speculator="specexec", budget=12, max_branch=6)
-    (online,) = generation._acceptance_maps[draft].values()
+    (online,) = calibrated._shared_maps[draft].values()
     # The call started from a copy of the offline fit (same setting), so what it observed is the difference.
     observed_trials, observed_accepted = online.trials - offline.trials, online.accepted - offline.accepted
     assert observed_trials.sum() > 0

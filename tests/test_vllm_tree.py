@@ -26,6 +26,9 @@ MAX_TOKENS = 24
 # once a request's length plus twice num_speculative_tokens passes max_model_len.
 MAX_MODEL_LEN = 512
 EDGE_ROOM = 40
+# Spread enough over the tiny target's peaked distributions that a wrong distribution shows in a few hundred draws.
+SAMPLING = {"temperature": 1.5, "top_k": 12, "top_p": 0.95}
+SAMPLES = 400
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "enforce_eager": True, "seed": 0}
 
 
@@ -67,14 +70,22 @@ class Run:
     """Outputs of one engine: ``greedy`` (PROMPTS), ``mixed`` (a batch of greedy, seeded sampled and penalised
     requests), ``long`` (a chunked long prompt beside short ones), ``cached`` (prompts that extend earlier outputs,
     hitting the prefix cache on blocks written by compaction), ``edge`` (a long prompt decoded up to
-    ``max_model_len``, where vLLM sends zeros instead of trees)."""
+    ``max_model_len``, where vLLM sends zeros instead of trees), ``sampled`` (the first two tokens of
+    ``SAMPLES`` unseeded draws under ``SAMPLING``)."""
 
     greedy: list[list[int]]
     mixed: list[list[int]]
     long: list[list[int]]
     cached: list[list[int]]
     edge: list[list[int]]
+    sampled: list[tuple[int, ...]]
     stats: dict[str, int] | None
+
+
+def _sampled(**settings: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=2, ignore_eos=True, **settings)
 
 
 def _mixed_params() -> list[Any]:
@@ -111,8 +122,10 @@ def _run(target: Path, speculative_config: dict[str, Any] | None, **engine_args:
         filler = tokenizer.encode(LONG_PROMPT) * (MAX_MODEL_LEN // 8)
         edge_prompt = {"prompt_token_ids": filler[: MAX_MODEL_LEN - EDGE_ROOM]}
         edge = generate([edge_prompt, PROMPTS[0]], _greedy(EDGE_ROOM))
+        # Read before the draws, whose one-step trees would dilute the greedy requests' accepted nodes per tree.
         stats = llm.collective_rpc(_tree_stats)[0] if speculative_config else None
-        return Run(greedy, mixed, long, cached, edge, stats)
+        draws = generate([PROMPTS[0]] * SAMPLES, _sampled(**SAMPLING))
+        return Run(greedy, mixed, long, cached, edge, [tuple(tokens) for tokens in draws], stats)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -137,6 +150,35 @@ def baseline(pair) -> Run:
 
 
 @pytest.fixture(scope="module")
+def colder_baseline(pair) -> list[tuple[int, ...]]:
+    """Draws without speculation at half the temperature: what a wrongly processed walk could look like."""
+    from vllm import LLM
+
+    llm = LLM(model=str(pair.target), **ENGINE_ARGS)
+    try:
+        colder = {**SAMPLING, "temperature": SAMPLING["temperature"] / 2}
+        outputs = llm.generate([PROMPTS[0]] * SAMPLES, _sampled(**colder), use_tqdm=False)
+        return [tuple(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _same_distribution_p(first: list[tuple[int, ...]], second: list[tuple[int, ...]]) -> float:
+    """Two-sample chi-square p-value that two lists of draws come from one distribution (outcomes seen fewer than
+    10 times in both together are pooled)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    counts = [Counter(first), Counter(second)]
+    common = [outcome for outcome in set(first) | set(second) if counts[0][outcome] + counts[1][outcome] >= 10]
+    table = [[c[outcome] for outcome in common] + [len(draws) - sum(c[o] for o in common)]
+             for c, draws in zip(counts, (first, second))]  # fmt: skip
+    table = [row for row in zip(*table) if sum(row) > 0]
+    return float(chi2_contingency(list(zip(*table))).pvalue)
+
+
+@pytest.fixture(scope="module")
 def noisy_tree_run(pair) -> Run:
     return _run(pair.target, _tree_config(pair.draft, budget=16), **CHUNKED)
 
@@ -153,8 +195,13 @@ def _assert_same_outputs(run: Run, baseline: Run) -> None:
     assert run.cached == baseline.cached
     assert run.edge == baseline.edge
     assert len(run.edge[0]) == EDGE_ROOM  # decoded right up to max_model_len
-    # The sampled request (seeded) and the penalised one get no tree: vLLM samples them as without speculation.
-    assert run.mixed == baseline.mixed
+    # The penalised request gets no tree: vLLM decodes it as without speculation. The seeded sampled one (index 1)
+    # gets a tree, so its draws come in another order than without speculation: only its length is comparable.
+    sampled = 1
+    assert [out for i, out in enumerate(run.mixed) if i != sampled] == [
+        out for i, out in enumerate(baseline.mixed) if i != sampled
+    ]
+    assert len(run.mixed[sampled]) == MAX_TOKENS
 
 
 def test_noisy_draft_trees_equal_no_speculation(noisy_tree_run, baseline):
@@ -166,6 +213,16 @@ def test_noisy_draft_trees_equal_no_speculation(noisy_tree_run, baseline):
     # The target often takes a non-first sibling, so compaction really moved KV; and it also rejected nodes.
     assert stats["moved_nodes"] > 0
     assert 0 < stats["accepted_nodes"] < stats["tree_nodes"]
+
+
+def test_sampled_trees_draw_from_the_targets_distribution(noisy_tree_run, baseline, colder_baseline):
+    """Sampled requests get trees, and the first two tokens of unseeded ones (the second one drawn at a tree node whenever the
+    first was a child of the root) are distributed as without speculation; the same draws are told apart from the
+    colder distribution's, so the check can fail."""
+    assert noisy_tree_run.stats["sampled_trees"] > 0  # the seeded request of the mixed batch
+    assert len(set(baseline.sampled)) >= 5  # a spread distribution, not one answer
+    assert _same_distribution_p(noisy_tree_run.sampled, baseline.sampled) > 1e-3
+    assert _same_distribution_p(noisy_tree_run.sampled, colder_baseline) < 1e-4
 
 
 def test_draft_equal_to_target_accepts_deep_paths(self_tree_run, baseline):

@@ -3,10 +3,12 @@ probe, which requests take trees, and the refusals."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import chi_square_p
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -119,17 +121,74 @@ def test_kv_layout_probe_refuses_a_layout_it_cannot_read(monkeypatch):
 def test_which_requests_take_trees():
     from vllm import SamplingParams
 
-    assert vllm_tree.request_takes_tree(SamplingParams(temperature=0.0))
     for params in (
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05),
+    ):
+        assert vllm_tree.request_takes_tree(params), params
+    for params in (
         SamplingParams(temperature=0.0, repetition_penalty=1.2),
-        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, presence_penalty=0.5),
         SamplingParams(temperature=0.0, min_tokens=3),
         SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
-        SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]),
+        SamplingParams(temperature=0.7, allowed_token_ids=[1, 2]),
         SamplingParams(temperature=0.0, logprobs=2),
     ):
         assert not vllm_tree.request_takes_tree(params), params
+
+
+def _processed_distribution(logits: torch.Tensor, sampling: vllm_tree.NodeSampling) -> torch.Tensor:
+    """The textbook definitions, in float64 and vLLM's order: temperature, min-p, top-k, then top-p over what is left
+    (the smallest set of the likeliest tokens holding at least top_p of the mass)."""
+    probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
+    keep = probs >= sampling.min_p * probs.max()
+    if sampling.top_k:
+        keep &= probs >= probs[keep].topk(sampling.top_k).values[-1]
+    probs = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
+    ordered, order = probs.sort(descending=True)
+    mass_before = ordered.cumsum(0) - ordered
+    kept = torch.zeros_like(keep)
+    kept[order] = mass_before < sampling.top_p
+    probs = torch.where(kept, probs, 0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        vllm_tree.NodeSampling(temperature=1.0),
+        vllm_tree.NodeSampling(temperature=0.6, top_k=4),
+        vllm_tree.NodeSampling(temperature=1.5, top_p=0.7),
+        vllm_tree.NodeSampling(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05),
+    ],
+)
+def test_node_choices_draw_from_the_processed_distribution(sampling):
+    """Each node's draw follows that node's processed distribution; the same draws fail against the distribution at
+    a higher temperature, so the check can fail."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 12, generator=generator) * 1.5
+    seeded = replace(sampling, generator=torch.Generator().manual_seed(7))
+    draws = torch.stack([vllm_tree.node_choices(logits, seeded) for _ in range(3000)])
+    for node in range(logits.shape[0]):
+        counts = dict(zip(*[t.tolist() for t in draws[:, node].unique(return_counts=True)]))
+        expected = dict(enumerate(_processed_distribution(logits[node], sampling).tolist()))
+        assert all(expected[token] > 0 for token in counts), "drew a token the processing removes"
+        assert chi_square_p(counts, expected) > 1e-3
+        hotter = replace(sampling, temperature=2 * sampling.temperature)
+        assert chi_square_p(counts, dict(enumerate(_processed_distribution(logits[node], hotter).tolist()))) < 1e-6
+
+
+def test_node_choices_greedy_and_seeded():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(vllm_tree.node_choices(logits, None), logits.argmax(dim=-1))
+
+    def draws(seed: int) -> torch.Tensor:
+        sampling = vllm_tree.NodeSampling(temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        return torch.stack([vllm_tree.node_choices(logits, sampling) for _ in range(20)])
+
+    assert torch.equal(draws(5), draws(5))  # a seeded request's draws come from its own generator
+    assert not torch.equal(draws(5), draws(6))
 
 
 def test_version_check():

@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from transformers import PreTrainedModel
 
 from ..core.acceptance_map import AcceptanceMap
+from ..core.config import SpecExecConfig
 
 GREEDY_TEMPERATURE_ATTRIBUTE = "specexec_greedy_temperature"
 """Attribute of a draft's ``config`` holding its calibrated greedy draft temperature (saved with the config)."""
@@ -22,6 +25,9 @@ ACCEPTANCE_MAP_ATTRIBUTE = "specexec_greedy_acceptance_map"
 ACCEPTANCE_MAP_KEY = "greedy_acceptance_map"
 """Key of a draft export's JSON holding the same record (written by ``specexec-hf calibrate --write``)."""
 
+# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights) setting.
+_shared_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = weakref.WeakKeyDictionary()
+
 
 def greedy_draft_temperature(draft: PreTrainedModel) -> float:
     """The temperature greedy decoding ranks ``draft``'s trees with: its calibrated one, else 1."""
@@ -32,6 +38,30 @@ def greedy_draft_temperature(draft: PreTrainedModel) -> float:
 def calibrated_context_match_weights(draft: PreTrainedModel) -> tuple[float, ...]:
     """The context-match weights greedy decoding uses with ``draft``: its calibrated ones, else none."""
     return tuple(getattr(draft.config, CONTEXT_MATCH_ATTRIBUTE, None) or ())
+
+
+def ranking_setting(
+    draft: PreTrainedModel, config: SpecExecConfig, sampling: bool, sampling_temperature: float | None
+) -> tuple[float, tuple[float, ...]]:
+    """The draft temperature and context-match weights that rank ``draft``'s trees: the config's where set; else the
+    target's sampling temperature and no context matching when it samples, and the draft's calibrated greedy ones
+    (fitted on greedy answers) when it decodes greedily.
+
+    Args:
+        draft: The draft model.
+        config: The SpecExec knobs (``draft_temperature``, ``context_match_weights``).
+        sampling: Whether the target samples.
+        sampling_temperature: The target's sampling temperature (read only when ``sampling``).
+    """
+    temperature = config.draft_temperature
+    if temperature is None and sampling and sampling_temperature:
+        temperature = float(sampling_temperature)
+    if temperature is None:
+        temperature = greedy_draft_temperature(draft)
+    weights = config.context_match_weights
+    if weights is None:
+        weights = () if sampling else calibrated_context_match_weights(draft)
+    return temperature, tuple(weights)
 
 
 def starting_acceptance_map(
@@ -58,3 +88,39 @@ def starting_acceptance_map(
     ):
         return AcceptanceMap()
     return AcceptanceMap.from_state(record)
+
+
+def shared_acceptance_map(
+    draft: PreTrainedModel, sampling: bool, temperature: float, match_weights: Sequence[float]
+) -> AcceptanceMap:
+    """The acceptance map learnt so far for ``draft`` at this ranking setting, shared by every caller (``generate()``
+    calls, a serving engine's requests) so what one walk teaches ranks the next tree; the first call at a setting
+    starts from :func:`starting_acceptance_map`.
+
+    Args: as :func:`starting_acceptance_map`.
+    """
+    by_setting = _shared_maps.setdefault(draft, {})
+    key = (sampling, float(temperature), tuple(match_weights))
+    if key not in by_setting:
+        by_setting[key] = starting_acceptance_map(draft, sampling, temperature, match_weights)
+    return by_setting[key]
+
+
+@contextmanager
+def separate_acceptance_maps(draft: PreTrainedModel, maps: dict[tuple, AcceptanceMap]) -> Iterator[None]:
+    """Within the block, ``draft``'s shared acceptance maps are ``maps``, a dict the caller keeps between blocks:
+    a benchmark keeps each method's learning apart, as if each method ran alone.
+
+    Args:
+        draft: The draft model.
+        maps: The maps to use and fill (empty at first), by setting, as :func:`shared_acceptance_map` keys them.
+    """
+    saved = _shared_maps.get(draft)
+    _shared_maps[draft] = maps
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _shared_maps[draft]
+        else:
+            _shared_maps[draft] = saved

@@ -9,7 +9,6 @@ committed token but the last, which becomes the next tree's root.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,7 +23,6 @@ from transformers.generation import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
-from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.masks import chain_and_tree_mask
 from ..core.search import SearchFn, grow_tree
@@ -33,7 +31,7 @@ from ..core.tree import TokenTree
 from ..core.verify import acceptance_walk
 from .attention_spans import attention_spans, decoder_layer_types
 from .autobudget import auto_budget_for
-from .calibrated import calibrated_context_match_weights, greedy_draft_temperature, starting_acceptance_map
+from .calibrated import ranking_setting, shared_acceptance_map
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import (
     check_masked_tokens_supported,
@@ -45,11 +43,6 @@ from .compat import (
 from .kv import compact_cache, new_cache
 from .request import check_budget_fits, validate_request
 from .self_draft import resolve_draft
-
-# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights) setting.
-_acceptance_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 @dataclass
@@ -116,37 +109,6 @@ def _outputs_of(
         for weights, reach in zip(outputs.attentions or (), reaches)
     )
     return hidden, attentions
-
-
-def _acceptance_map(
-    draft_model: PreTrainedModel, sampling: bool, temperature: float, match_weights: tuple[float, ...]
-) -> AcceptanceMap:
-    """The acceptance map learnt so far for this draft and ranking setting (it carries over between calls); the first
-    call at a setting starts from the draft's offline fit when it was made at that setting."""
-    by_setting = _acceptance_maps.setdefault(draft_model, {})
-    key = (sampling, temperature, match_weights)
-    if key not in by_setting:
-        by_setting[key] = starting_acceptance_map(draft_model, sampling, temperature, match_weights)
-    return by_setting[key]
-
-
-def _draft_temperature(
-    config: SpecExecConfig, generation_config: GenerationConfig, draft_model: PreTrainedModel
-) -> float:
-    if config.draft_temperature is not None:
-        return config.draft_temperature
-    if generation_config.do_sample and generation_config.temperature:
-        return float(generation_config.temperature)
-    return greedy_draft_temperature(draft_model)
-
-
-def _context_match_weights(
-    config: SpecExecConfig, generation_config: GenerationConfig, draft_model: PreTrainedModel
-) -> tuple[float, ...]:
-    if config.context_match_weights is not None:
-        return config.context_match_weights
-    # The calibrated weights were fitted on greedy answers, like the greedy temperature.
-    return () if generation_config.do_sample else calibrated_context_match_weights(draft_model)
 
 
 @torch.no_grad()
@@ -228,12 +190,13 @@ def generate(
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
-    draft_temperature = _draft_temperature(config, generation_config, draft_model)
-    match_weights = _context_match_weights(config, generation_config, draft_model)
+    draft_temperature, match_weights = ranking_setting(
+        draft_model, config, generation_config.do_sample, generation_config.temperature
+    )
     calibrate = config.acceptance_calibration and tree_search is grow_tree  # static trees fix their shape
     drafter = SpecExecCandidateGenerator(
         draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
-        acceptance_map=_acceptance_map(draft_model, generation_config.do_sample, draft_temperature, match_weights)
+        acceptance_map=shared_acceptance_map(draft_model, generation_config.do_sample, draft_temperature, match_weights)
         if calibrate else None,
     )
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None

@@ -50,6 +50,7 @@ from ..core.search import grow_tree
 from ..core.static_trees import SequoiaSearch, SpecInferSearch
 from ..core.stats import SpecExecStats
 from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
+from ..hf.calibrated import separate_acceptance_maps
 from ..models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from ..offload import load_offloaded
 from .acceptance import measure_acceptance
@@ -171,6 +172,12 @@ class Bench:
         tree: ``max_depth`` and ``max_branch`` of the static trees (``budget`` comes from each run).
         acceptance: Sequoia's acceptance vector per temperature.
         specexec_max_depth: SpecExec's ``max_depth`` (``None``: no cap beyond the budget and the tokens left).
+        warmup_prompts: Prompts (not benchmarked ones) each run decodes, unmeasured, before its first measured
+            prompt, so that SpecExec's online acceptance map is measured as it ranks after earlier requests rather
+            than on its first tree. Each run learns in its own maps either way (see :meth:`measure`).
+
+    Attributes:
+        acceptance_maps: Per run of the last :meth:`measure`, the acceptance maps it learnt, by setting.
     """
 
     target: PreTrainedModel
@@ -182,6 +189,8 @@ class Bench:
     tree: SpecExecConfig = field(default_factory=SpecExecConfig)
     acceptance: dict[float, list[float]] = field(default_factory=dict)
     specexec_max_depth: int | None = None
+    warmup_prompts: list[torch.Tensor] = field(default_factory=list)
+    acceptance_maps: dict[Run, dict[tuple, Any]] = field(default_factory=dict, init=False)
 
     def sampling_kwargs(self, temperature: float) -> dict[str, Any]:
         if temperature == 0:
@@ -253,16 +262,29 @@ class Bench:
         # Assisted generation reads its settings from the draft's own generation_config (not from generate()'s
         # arguments) and may adapt them across calls: every run keeps its own copy across its prompts.
         configs = {run: self._assistant_config(run) for run in runs}
+        # Each run's own acceptance maps: the learning of one method (or budget) never ranks another's trees.
+        maps = self.acceptance_maps = {run: {} for run in runs}
         records: dict[Run, list[dict[str, Any]]] = {run: [] for run in runs}
         peaks = dict.fromkeys(runs, 0)
+
+        @contextmanager
+        def settings_of(run: Run) -> Iterator[None]:
+            original, self.draft.generation_config = self.draft.generation_config, configs[run]
+            try:
+                with separate_acceptance_maps(self.draft, maps[run]):
+                    yield
+            finally:
+                self.draft.generation_config = original
+
+        warmup = replace(self, prompts=self.warmup_prompts)
+        for index in range(len(self.warmup_prompts)):
+            for run in runs:
+                with settings_of(run):
+                    warmup.generate(run, index)
         for index in range(len(self.prompts)):
             for run in runs:
-                original, self.draft.generation_config = self.draft.generation_config, configs[run]
-                try:
-                    with peak_rss() as memory:
-                        records[run].append(self.generate(run, index))
-                finally:
-                    self.draft.generation_config = original
+                with settings_of(run), peak_rss() as memory:
+                    records[run].append(self.generate(run, index))
                 peaks[run] = max(peaks[run], memory["peak_rss_bytes"])
                 progress()
             yield [
