@@ -9,7 +9,10 @@ Sections, in the order they run (each one is skipped, with the reason recorded, 
    accelerate's hooks, diffusers' group offloading (when diffusers is installed) and, as the compute floor, the
    same model resident on the GPU. Achieved GB/s = streamed bytes / forward time, as a share of the pinned bound.
    With ``--layers N`` fewer layers than the shape has are built; the forward time of the whole shape is then
-   extrapolated by streamed bytes, and every such figure is labelled so.
+   extrapolated by streamed bytes, and every such figure is labelled so. ``--weights int4`` (or ``int8``)
+   quantizes the decoder layers' linear weights with optimum-quanto first (embedding, norms and head stay 16-bit)
+   and streams their packed bytes; only the stream executor and the resident floor run then (e.g. the paper's
+   setting: ``--shape llama-70b --weights int4 --layers 8``).
 3. **Draft**: tree growth (``SpecExecCandidateGenerator.grow_tree``) of a random-weight draft of realistic size
    (Llama-3.2-1B shape) on the GPU, per budget, and one cached 1-token draft forward (what HF assisted generation
    runs per drafted token).
@@ -57,7 +60,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 
 import specexec_hf
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig
-from specexec_hf.offload import layer_streamer, load_offloaded
+from specexec_hf.offload import (
+    CudaDevice,
+    OrderCheckingDevice,
+    layer_streamer,
+    load_offloaded,
+    offload_device_map,
+    stream_on_device,
+)
 from specexec_hf.tools.bench import ForwardMeter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -261,6 +271,27 @@ def random_llama(shape: LlamaShape, layers: int, dtype: torch.dtype, seed: int =
     return model.eval()
 
 
+QUANTIZED_WEIGHTS = ("int8", "int4")
+
+
+def quantize_layers(model: torch.nn.Module, weights: str) -> None:
+    """Quantizes the decoder layers' linear weights in place with optimum-quanto (``"int8"`` or ``"int4"``); the
+    embedding, norms and head keep their dtype, as in the common 4-bit checkpoints."""
+    from optimum import quanto
+
+    quanto.quantize(model, weights={"int8": quanto.qint8, "int4": quanto.qint4}[weights], include=["model.layers.*"])
+    quanto.freeze(model)
+
+
+def streamed_quantized(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (quantized) on ``device`` with the stream executor: the embedding and final norm resident, the
+    decoder layers and head in CPU RAM, streamed (``OrderCheckingDevice`` stands in for a GPU on a CPU)."""
+    device_map = {name: ("cpu" if name.startswith("model.layers") or name == "lm_head" else 0)
+                  for name in offload_device_map(model, None)}  # fmt: skip
+    operations = CudaDevice(device.index or 0) if device.type == "cuda" else OrderCheckingDevice()
+    return stream_on_device(model, device_map, operations)
+
+
 def gpu_budget_bytes(model: torch.nn.Module) -> int:
     """A GPU budget that keeps the input embedding resident and sends every decoder layer to CPU RAM.
 
@@ -344,17 +375,25 @@ def diffusers_group_offloading(model: torch.nn.Module, device: torch.device) -> 
 
 @contextmanager
 def loaded_target(
-    executor: str, shape: LlamaShape, layers: int, dtype: torch.dtype, device: torch.device, offload_dir: Path
+    executor: str, shape: LlamaShape, layers: int, dtype: torch.dtype, device: torch.device, offload_dir: Path,
+    weights: str | None = None,
 ) -> Iterator[torch.nn.Module]:
     """A random target of ``shape`` run by ``executor``, freed on exit.
 
     Executors: ``stream`` and ``accelerate`` (through ``load_offloaded``; on a GPU with the layers in CPU RAM,
     on a CPU with the layers on disk), ``diffusers`` (group offloading) and ``resident`` (the whole model on
-    ``device``: the compute floor).
+    ``device``: the compute floor). ``weights`` (``"int8"``/``"int4"``): quantized decoder layers, for ``stream``
+    (layers in CPU RAM, see :func:`streamed_quantized`) and ``resident`` only.
     """
+    if weights is not None and executor not in ("stream", "resident"):
+        raise NotImplementedError(f"{weights} weights are measured with the stream executor and resident only")
     model = random_llama(shape, layers, dtype)
+    if weights is not None:
+        quantize_layers(model, weights)
     try:
-        if executor == "resident":
+        if weights is not None and executor == "stream":
+            model = streamed_quantized(model, device)
+        elif executor == "resident":
             model = model.to(device)
         elif executor == "diffusers":
             model = diffusers_group_offloading(model, device)
@@ -381,14 +420,18 @@ def measure_executor(
 ) -> dict[str, Any]:
     """Loads the target under ``executor`` and times its forwards; the model is freed when this returns."""
     started = time.perf_counter()
-    with loaded_target(executor, shape, layers, dtype, device, offload_dir) as model:
+    with loaded_target(executor, shape, layers, dtype, device, offload_dir, args.weights) as model:
         entry: dict[str, Any] = {"load_seconds": time.perf_counter() - started}
-        entry["placement_bytes"] = placement_bytes(model)
+        streamer = layer_streamer(model)
+        if args.weights is None:
+            entry["placement_bytes"] = placement_bytes(model)
         if executor == "diffusers":
             entry["streamed_bytes"] = sum(p.nbytes for p in model.model.layers.parameters())
+        elif args.weights is not None:  # a quantized weight's numel() * element_size() counts its float form
+            entry["streamed_bytes"] = 0 if executor == "resident" else streamer.streamed_bytes_per_forward
+            entry["head_bytes"] = model.lm_head.weight.nbytes
         else:
             entry["streamed_bytes"] = 0 if executor == "resident" else streamed_bytes(model)
-        streamer = layer_streamer(model)
         if streamer is not None:
             entry["stream_buffer_bytes"] = streamer.buffer_bytes
         repeats = args.repeats if executor != "accelerate" else max(1, args.repeats - 1)
@@ -405,7 +448,9 @@ def measure_shape(
     full_bytes = shape.parameter_bytes(dtype)
     built_bytes = shape.parameter_bytes(dtype, layers)
     result: dict[str, Any] = {
-        "shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."), "layers_built": layers,
+        "shape": asdict(shape), "layers_built": layers,
+        # Labels every figure of the shape: the float dtype, and the quantized layers' format when there is one.
+        "dtype": str(dtype).removeprefix("torch.") + ("" if args.weights is None else f", {args.weights} layers"),
         "parameter_bytes_built": built_bytes, "parameter_bytes_full_shape": full_bytes,
         "extrapolated": layers != shape.layers, "executors": {},
     }
@@ -434,6 +479,9 @@ def measure_shape(
         # Extrapolation to the whole shape: a streamed forward by its streamed bytes (bandwidth-bound), a resident
         # one by its parameter bytes (compute grows with the layers).
         scale = (full_bytes - (built_bytes - streamed)) / streamed if streamed else full_bytes / built_bytes
+        if args.weights is not None:  # quantized: the layers' streamed bytes scale with the layer count, the head not
+            head = entry["head_bytes"]
+            scale = ((streamed - head) * shape.layers / layers + head) / streamed if streamed else shape.layers / layers
         entry["full_shape_seconds"] = {n: s * scale for n, s in entry["seconds"].items()}
         print(f"  {shape.name} x{layers} layers, {executor}: {entry['seconds']}", flush=True)
     result["goals"] = forward_goals(result)
@@ -949,6 +997,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--link-mib", type=int, default=1024, help="bytes per timed link copy, in MiB")
     parser.add_argument("--largest-bf16", action="store_true", help="also the largest bf16 shape the host holds")
+    parser.add_argument("--weights", choices=QUANTIZED_WEIGHTS, default=None,
+                        help="quantize the decoder layers (optimum-quanto) and stream the packed weights")
     args = parser.parse_args(argv)
     deadline = Deadline(args.time_budget)
     torch.set_num_threads(min(8, os.cpu_count() or 1) if not args.tiny else 1)
@@ -968,8 +1018,11 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or shape.layers
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"environment": environment(device, args), "notes": [], "shapes": [], "projections": []}
-    report["notes"].append("70B 4-bit: not run: specexec_hf.offload has no quantized streaming path to call yet "
-                           "(issue #17 part 2).")
+    if args.weights is not None:
+        executors = [e for e in args.executors if e in ("stream", "resident")]
+        if executors != args.executors:
+            report["notes"].append(f"{args.weights} weights: only the stream executor and resident run.")
+        args.executors = executors
     with tempfile.TemporaryDirectory(prefix="gpu_offload_") as scratch:
         workdir = Path(scratch)
         link = run_section(report, "link", lambda: link_bandwidth(device, args.link_mib << 20, args.repeats + 2))

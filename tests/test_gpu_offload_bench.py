@@ -5,6 +5,7 @@ On a GPU machine the script itself is the run that matters (it takes minutes the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -47,10 +48,27 @@ def test_gpu_check_on_a_cpu_skips_the_cuda_tests_and_runs_every_benchmark_sectio
     assert {"plain generate", "SpecExec budget 16"} <= set(projection["executors"]["stream"])
     assert [row["system"].split(",")[0] for row in report["published"]][1:] == [
         "SpecExec paper (Svirschevski et al.", "SpecExec paper (Svirschevski et al.", "UMbreLLa README"]
-    assert any(note.startswith("70B 4-bit: not run") for note in report["notes"])
     assert "errors" not in report
     markdown = (tmp_path / "gpu_offload.md").read_text()
     assert "## End to end" in markdown and "## Projected tokens/s" in markdown and "not normalised" in markdown
+
+
+@pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="needs optimum-quanto")
+def test_quantized_layers_stream_their_packed_bytes(tmp_path):
+    """--weights int4: the stream executor and the resident floor run; what streams is the packed int4 layers plus
+    the 16-bit head, far below the float layers' bytes; the whole-shape extrapolation scales the layers only."""
+    assert gpu_offload.main(["--tiny", "--weights", "int4", "--out", str(tmp_path), "--time-budget", "300"]) == 0
+    report = json.loads((tmp_path / "gpu_offload.json").read_text())
+    (shape,) = report["shapes"]
+    assert shape["dtype"] == "float32, int4 layers" and set(shape["executors"]) == {"stream", "resident"}
+    stream = shape["executors"]["stream"]
+    assert stream["status"] == "measured" and set(stream["seconds"]) == {"1", "16", "64", "256"}
+    config = gpu_offload.SHAPES["tiny"].config()
+    float_layers = shape["parameter_bytes_built"] - 2 * config.vocab_size * config.hidden_size * 4 - config.hidden_size * 4
+    assert stream["head_bytes"] == config.vocab_size * config.hidden_size * 4
+    assert 0 < stream["streamed_bytes"] - stream["head_bytes"] < 0.25 * float_layers
+    assert stream["full_shape_seconds"] == stream["seconds"]  # every layer of the tiny shape was built
+    assert "errors" not in report
 
 
 points = st.dictionaries(st.integers(1, 4096), st.floats(1e-3, 10.0), min_size=2, max_size=6)
