@@ -51,9 +51,23 @@ from specexec_hf.tools.prompts import chat_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tokens_per_forward"
 DRAFT_LABELS = {"target": "draft == target", "self:int8": "self:int8", "self:int4": "self:int4",
-                "default": "shipped draft"}
+                "int4-quarter": "int4 in every 4th layer", "default": "shipped draft"}
+# Benchmark-only drafts: the target with the linear layers of every ``n``-th decoder layer quantized to int4, an
+# agreement level between self:int4 and self:int8.
+PARTIAL_INT4 = {"int4-quarter": 4}
 TREE_METHODS = {"specexec": "SpecExec calibrated", "specexec_raw": "SpecExec raw", "specinfer": "SpecInfer-style",
                 "sequoia": "Sequoia-style"}
+
+
+def partial_int4_draft(target: torch.nn.Module, every: int) -> torch.nn.Module:
+    """A copy of ``target`` whose decoder layers ``0, every, 2 * every, ...`` have int4 linear layers (quanto)."""
+    from optimum import quanto
+
+    draft = copy.deepcopy(target)
+    layers = range(0, len(draft.model.layers), every)
+    quanto.quantize(draft, weights=quanto.qint4, include=[f"model.layers.{i}.*" for i in layers])
+    quanto.freeze(draft)
+    return draft.eval()
 
 
 def dequantized_twin(target: torch.nn.Module, quantized: torch.nn.Module) -> torch.nn.Module:
@@ -169,12 +183,15 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.drafts:
-        draft = shipped if name == "default" else aligned_draft(target, name)
+        if name in PARTIAL_INT4:
+            draft = partial_int4_draft(target, PARTIAL_INT4[name])
+        else:
+            draft = shipped if name == "default" else aligned_draft(target, name)
         info = {"label": DRAFT_LABELS[name]}
         timed = torch.cat([sequence for sequence, _ in continuations] * 4)[None, :128]  # real text, >= 128 tokens
         info["draft_over_target_forward_time"] = forward_cost(target, draft, timed)
         tree_draft = draft
-        if name in specexec_hf.models.SELF_DRAFTS and not args.quantized_kernels:
+        if (name in specexec_hf.models.SELF_DRAFTS or name in PARTIAL_INT4) and not args.quantized_kernels:
             tree_draft = dequantized_twin(target, draft)
             info["twin_top1_agreement_with_quantized"] = top1_agreement(draft, tree_draft, continuations)
         info["top1_agreement"] = top1_agreement(target, draft, continuations)
