@@ -222,8 +222,8 @@ class SpecExecProposer:
         self.device = torch.device(vllm_config.device_config.device)
         self.draft: PreTrainedModel | None = None
         self.generators: dict[str, SpecExecCandidateGenerator] = {}
-        # Per request, its last tree's search and the history length it was grown at: the tokens committed after
-        # that length are the target's own choices down that tree, which the acceptance map learns from.
+        # Per request whose generator has an acceptance map, its last tree's search and the history length it was
+        # grown at: the tokens committed after that length are the target's own choices down that tree.
         self.last_searches: dict[str, tuple[SearchResult, int]] = {}
         self.stats = ProposerStats()
         self.speculate_sampled = True
@@ -332,8 +332,9 @@ class SpecExecProposer:
         started = time.perf_counter()
         with torch.inference_mode():
             trees = grow_trees(requests)
-        for row, result in zip(rows, trees.results):
-            self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))
+        for (generator, _, _), row, result in zip(requests, rows, trees.results):
+            if generator.acceptance_map is not None:  # only a map learns from the search
+                self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))
             if self.tree_verifier is None:
                 drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
             else:  # parents first, so the first `depth` nodes (all the scheduler may keep) are a tree
@@ -380,7 +381,7 @@ class SpecExecProposer:
         the committed tokens are the walk's choices from the tree's root.
         """
         last = self.last_searches.pop(req_id, None)
-        if last is None or generator.acceptance_map is None:
+        if last is None:
             return
         result, grown_at = last
         if length > grown_at:
