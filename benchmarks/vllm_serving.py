@@ -255,19 +255,25 @@ class Server:
             page = response.read().decode()
         return {key: int(metric_total(page, name)) for key, name in SPEC_COUNTERS.items()}
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group; SIGKILL if it has not exited within a minute."""
+    def stop(self) -> bool:
+        """SIGTERM to the server's process group; SIGKILL if it has not exited within a minute.
+
+        Returns:
+            Whether it shut down on SIGTERM (or had already exited).
+        """
         try:
             # The whole group, even when the server itself has died: its engine processes may outlive it.
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
+            return True
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             print(f"vllm serve ignored SIGTERM for 60 s, killing it; see {self.log}", file=sys.stderr)
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+            return False
+        return True
 
 
 def metric_total(page: str, name: str) -> float:

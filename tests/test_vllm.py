@@ -10,13 +10,7 @@ import importlib
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,78 +202,30 @@ def test_vocabulary_mismatch_fails_engine_start(pair, capfd):
     assert re.search(r"vocabulary \((\d+) logits\) does not match the vLLM target's \(\d+\)", logs.out + logs.err)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _get(url: str, timeout: float) -> int:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.status
-
-
-def _complete(port: int, model: str, prompt: str) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-        return json.loads(response.read())["choices"][0]["text"]
-
-
 @dataclass
 class ServerRun:
-    """What one ``vllm serve`` run answered: completion texts per prompt and its Prometheus ``/metrics`` page."""
+    """What one ``vllm serve`` run answered: completion texts per prompt and its speculative-decoding counters."""
 
     texts: list[str]
-    metrics: str
-
-
-def _metric(page: str, name: str) -> float:
-    """The value of an unlabelled-or-single-series Prometheus sample ``name`` (0 when absent)."""
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", page, re.M)
-    return float(match.group(1)) if match else 0.0
+    counters: dict[str, int]
 
 
 def _serve_completions(target: Path, log: Path, extra_args: list[str], extra_env: dict[str, str]) -> ServerRun:
-    """Runs ``vllm serve`` on 127.0.0.1, sends ``PROMPTS`` concurrently, reads /metrics, shuts the server down."""
-    port = _free_port()
-    command = [
-        sys.executable, "-c", _benchmark("vllm_serving").SERVE, "serve", str(target), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)),
-        "--enforce-eager", *extra_args,
-    ]  # fmt: skip
-    with open(log, "w") as log_file:
-        # Own session, so the shutdown signal reaches the server's engine process too.
-        server = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **extra_env}, start_new_session=True
-        )
+    """Runs ``vllm serve`` on 127.0.0.1 (the serving benchmark's ``Server``), sends ``PROMPTS`` concurrently, reads
+    its counters, and fails the test unless the server shuts down on SIGTERM."""
+    serving = _benchmark("vllm_serving")
+    args = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)), "--enforce-eager",
+            *extra_args]  # fmt: skip
+    server = serving.Server(str(target), log, args, {**os.environ, **extra_env}, SERVER_START_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            assert server.poll() is None, f"vllm serve exited early:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"vllm serve not healthy in time:\n{log.read_text()[-4000:]}"
-            try:
-                if _get(f"http://127.0.0.1:{port}/health", timeout=5) == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(2)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            texts = list(pool.map(lambda prompt: _complete(port, str(target), prompt), PROMPTS))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=REQUEST_TIMEOUT_S) as response:
-            return ServerRun(texts, response.read().decode())
+            answers = list(pool.map(lambda prompt: server.complete(prompt, MAX_TOKENS, REQUEST_TIMEOUT_S), PROMPTS))
+        counters = server.spec_counters()
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-            pytest.fail(f"vllm serve did not shut down on SIGTERM:\n{log.read_text()[-4000:]}")
+        stopped_on_sigterm = server.stop()
+    if not stopped_on_sigterm:
+        pytest.fail(f"vllm serve did not shut down on SIGTERM:\n{serving.log_tail(log)}")
+    return ServerRun([text for text, _, _ in answers], counters)
 
 
 def test_serving_matches_no_speculation_server(pair, tmp_path):
@@ -295,4 +241,4 @@ def test_serving_matches_no_speculation_server(pair, tmp_path):
     assert "SpecExec proposer: draft" in (tmp_path / "specexec.log").read_text()
     assert specexec.texts == plain.texts
     assert all(plain.texts)
-    assert _metric(specexec.metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    assert specexec.counters["accepted_tokens"] > 0
