@@ -228,6 +228,7 @@ class NodeLogits:
         hidden: ``[num_nodes, hidden]`` final hidden states, or ``None`` when ``logits`` are given.
         head: The model's output embedding (a bias-free linear layer).
         logits: ``[num_nodes, vocab]`` precomputed logits, for models whose head cannot be applied lazily.
+        outputs: The model's whole output, when its hidden states or attention weights were asked for.
     """
 
     def __init__(
@@ -235,8 +236,9 @@ class NodeLogits:
         hidden: torch.Tensor | None = None,
         head: torch.nn.Module | None = None,
         logits: torch.Tensor | None = None,
+        outputs: Any = None,
     ):
-        self.hidden, self.head = hidden, head
+        self.hidden, self.head, self.outputs = hidden, head, outputs
         self._rows: dict[int, torch.Tensor] = {}
         self._logits = logits
 
@@ -279,42 +281,28 @@ def node_logits(
     visible: torch.Tensor,
     extra_inputs: dict[str, torch.Tensor] | None = None,
     span_positions: torch.Tensor | None = None,
+    hidden_states: bool = False,
+    attentions: bool = False,
 ) -> NodeLogits:
     """One target forward over ``input_ids``; the logits of its last ``num_nodes`` tokens, per node on demand.
 
-    Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes.
+    Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes, and
+        hidden_states, attentions: Also keep every token's hidden states / attention weights, as
+            ``generate(output_hidden_states=..., output_attentions=...)`` asks, in ``NodeLogits.outputs`` (through
+            the model's own forward, which returns them).
     """
-    if not _head_applies_lazily(model):
+    if not (hidden_states or attentions or _head_applies_lazily(model)):
         return NodeLogits(
             logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs, span_positions)
         )
     kwargs = forward_inputs(
         model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
     )
+    if hidden_states or attentions:
+        outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
+        return NodeLogits(logits=outputs.logits[0, -num_nodes:].float(), outputs=outputs)
     hidden = model.base_model(**kwargs).last_hidden_state
     return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
-
-
-@torch.no_grad()
-def traced_node_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    num_nodes: int,
-    visible: torch.Tensor,
-    extra_inputs: dict[str, torch.Tensor] | None,
-    hidden_states: bool,
-    attentions: bool,
-    span_positions: torch.Tensor | None = None,
-) -> tuple[NodeLogits, Any]:
-    """:func:`node_logits` through the model's own forward, which also returns every token's hidden states and
-    attention weights as asked (``generate(output_hidden_states=..., output_attentions=...)``)."""
-    kwargs = forward_inputs(
-        model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
-    )
-    outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
-    return NodeLogits(logits=outputs.logits[0, -num_nodes:].float()), outputs
 
 
 def _batch_of_one(values: torch.Tensor | None) -> torch.Tensor | None:

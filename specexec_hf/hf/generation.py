@@ -38,7 +38,6 @@ from .compat import (
     check_same_vocabulary,
     check_supported,
     node_logits,
-    traced_node_logits,
 )
 from .kv import compact_cache, new_cache
 from .request import check_budget_fits, validate_request
@@ -241,15 +240,10 @@ def generate(
         if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
             visible[:, :length] &= request.attended_keys(length).to(visible.device)
         extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
-        if keep_hidden or keep_attentions:
-            logits, outputs = traced_node_logits(
-                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, keep_hidden, keep_attentions,
-                span_positions=indices,
-            )
-        else:
-            logits = node_logits(
-                model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, span_positions=indices
-            )
+        logits = node_logits(
+            model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, span_positions=indices,
+            hidden_states=keep_hidden, attentions=keep_attentions,
+        )
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []
@@ -281,7 +275,7 @@ def generate(
                 all_logits.append(logits.row(node))
             if keep_hidden or keep_attentions:
                 hidden, attentions = _outputs_of(
-                    outputs, pending.numel(), length, acceptance.path, committed - 1, layer_reaches
+                    logits.outputs, pending.numel(), length, acceptance.path, committed - 1, layer_reaches
                 )
                 all_hidden.append(hidden)
                 all_attentions.append(attentions)
