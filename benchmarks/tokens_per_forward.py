@@ -5,7 +5,9 @@ quantized weights; the shipped distilled draft), side by side on every prompt, a
 SpecExec with online acceptance calibration (the default) and without it (``raw``: ranked by the draft's
 probability; for the shipped draft that is its offline calibration, temperature and context weights), the
 SpecInfer- and Sequoia-style static trees (``--static-max-depth``; their shapes need a depth), and HF assisted
-generation at each constant ``num_assistant_tokens`` (the best one is reported). SpecExec has no depth cap (the
+generation at each constant ``num_assistant_tokens`` without its confidence threshold and with transformers' own
+defaults (``--assistant-tokens 4 8 16 32 default``; the best of them is reported, and the defaults beside it, which
+are what ``generate(assistant_model=...)`` gives a user who sets nothing). SpecExec has no depth cap (the
 library default). Each run (method, budget, temperature) learns in its own acceptance maps, carried from prompt to
 prompt as in a real session; ``--warmup-prompts N`` first has every run decode N calibration prompts (never a
 benchmarked one), unmeasured, so the grid shows the map after earlier requests rather than on its first tree.
@@ -126,6 +128,16 @@ def top1_agreement(a, b, continuations: list[tuple[torch.Tensor, int]]) -> float
     return same / total
 
 
+def assistant_setting(text: str) -> int | None:
+    """``--assistant-tokens`` values: a constant ``num_assistant_tokens``, or ``default`` (``None``: transformers'
+    adaptive schedule and confidence threshold)."""
+    return None if text == "default" else int(text)
+
+
+def assisted_setting_label(row: dict) -> str:
+    return "defaults" if row["assistant_tokens"] is None else f"@{row['assistant_tokens']}"
+
+
 def largest_possible(new_tokens: int, budget: int) -> float:
     """Tokens per target forward if every step committed ``budget + 1`` tokens (the last one what is left)."""
     return new_tokens / math.ceil(new_tokens / (budget + 1))
@@ -141,7 +153,9 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6])
     parser.add_argument("--drafts", nargs="+", choices=list(DRAFT_LABELS), default=list(DRAFT_LABELS))
     parser.add_argument("--methods", nargs="+", choices=list(TREE_METHODS), default=list(TREE_METHODS))
-    parser.add_argument("--assistant-tokens", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--assistant-tokens", type=assistant_setting, nargs="+", default=[4, 8, 16, 32, None],
+                        help="constant num_assistant_tokens values for HF assisted generation, and 'default' for "
+                        "transformers' defaults (default: 4 8 16 32 default)")
     parser.add_argument("--static-max-depth", type=int, default=32)
     parser.add_argument("--calibration-prompts", type=int, default=2,
                         help="held-out prompts for the drafts' agreement and Sequoia's acceptance vectors")
@@ -241,9 +255,11 @@ def _cell(rows: list[dict], draft: str, method: str, temperature: float, budget:
                  (draft, method, temperature, budget)), None)
 
 
-def best_assisted(rows: list[dict], draft: str, temperature: float) -> dict | None:
+def best_assisted(rows: list[dict], draft: str, temperature: float, defaults_only: bool = False) -> dict | None:
+    """The HF assisted row with the most tokens per target forward (of those at transformers' defaults only, if
+    ``defaults_only``)."""
     assisted = [r for r in rows if r["draft"] == draft and r["method"] == "hf_assisted"
-                and r["temperature"] == temperature]
+                and r["temperature"] == temperature and (r["assistant_tokens"] is None or not defaults_only)]
     return max(assisted, key=lambda r: r["tokens_per_target_forward"], default=None)
 
 
@@ -269,18 +285,21 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
         greedy = temperature == 0
         title = "greedy (t=0)" if greedy else f"sampling (t={temperature:g}, top-p {args.top_p:g})"
         lines += ["", f"## {title}", "", "| draft | budget | " + " | ".join(TREE_METHODS[m] for m in methods)
-                  + " | HF assisted best | largest possible |" + (" identical to greedy |" if greedy else ""),
-                  "|---|---|" + "---|" * (len(methods) + 2 + greedy)]
+                  + " | HF assisted best | HF assisted, defaults | largest possible |"
+                  + (" identical to greedy |" if greedy else ""),
+                  "|---|---|" + "---|" * (len(methods) + 3 + greedy)]
         for draft in report["drafts"]:
             assisted = best_assisted(rows, draft, temperature)
+            defaults = best_assisted(rows, draft, temperature, defaults_only=True)
             budgets = sorted({r["budget"] for r in rows if r["draft"] == draft and r["temperature"] == temperature
                               and r["budget"] is not None})
             for budget in budgets:
                 cells = [_cell(rows, draft, m, temperature, budget) for m in methods]
                 values = [f"{c['tokens_per_target_forward']:.2f}" if c else "-" for c in cells]
-                hf = f"{assisted['tokens_per_target_forward']:.2f} (@{assisted['assistant_tokens']})" if assisted else "-"
-                line = (f"| {DRAFT_LABELS[draft]} | {budget} | " + " | ".join(values)
-                        + f" | {hf} | {largest_possible(args.max_new_tokens, budget):.2f} |")
+                hf = [f"{r['tokens_per_target_forward']:.2f} ({assisted_setting_label(r)})" if r else "-"
+                      for r in (assisted, defaults)]
+                line = (f"| {DRAFT_LABELS[draft]} | {budget} | " + " | ".join(values + hf)
+                        + f" | {largest_possible(args.max_new_tokens, budget):.2f} |")
                 if greedy:
                     checked = [c.get("identical_to_plain_greedy") for c in cells if c] + (
                         [assisted.get("identical_to_plain_greedy")] if assisted else [])
@@ -317,12 +336,15 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
             if verdicts:
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec >= best static tree: "
                              + "; ".join(verdicts))
-            assisted, ours = best_assisted(rows, draft, temperature), tpf(draft, "specexec", temperature, 256)
-            if assisted and ours:
-                ratio = ours / assisted["tokens_per_target_forward"]
-                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec@256 / best HF assisted "
-                             f"(@{assisted['assistant_tokens']}) = {ratio:.2f}x (goal >= 2x: "
-                             f"{'met' if ratio >= 2 else 'not met'})")
+            ours = tpf(draft, "specexec", temperature, 256)
+            for defaults_only in (False, True):
+                assisted = best_assisted(rows, draft, temperature, defaults_only)
+                if assisted and ours:
+                    ratio = ours / assisted["tokens_per_target_forward"]
+                    lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec@256 / "
+                                 f"{'HF assisted at its defaults' if defaults_only else 'best HF assisted'} "
+                                 f"({assisted_setting_label(assisted)}) = {ratio:.2f}x (goal >= 2x: "
+                                 f"{'met' if ratio >= 2 else 'not met'})")
             raw = [(b, tpf(draft, "specexec", temperature, b), tpf(draft, "specexec_raw", temperature, b))
                    for b in args.budgets]
             raw = [(b, c / r) for b, c, r in raw if c and r]
@@ -357,7 +379,7 @@ def write_plot(report: dict, path: Path, new_tokens: int) -> None:
             assisted = best_assisted(rows, draft, temperature)
             if assisted:
                 axis.axhline(assisted["tokens_per_target_forward"], linestyle="--", color="C4",
-                             label=f"HF assisted best (@{assisted['assistant_tokens']})")
+                             label=f"HF assisted best ({assisted_setting_label(assisted)})")
             if temperature == 0 and budgets:
                 axis.plot(budgets, [largest_possible(new_tokens, b) for b in budgets], linestyle=":", color="gray",
                           label="largest possible")
