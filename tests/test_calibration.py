@@ -197,3 +197,23 @@ def test_calibrate_command_stores_the_acceptance_map_beside_the_fits_it_ranks_wi
     assert record["context_match_weights"] == meta[CONTEXT_MATCH_KEY]["weights"]
     assert sum(map(sum, record["trials"])) == 3 * 12 * 16 and meta["other"] == 1
     assert (meta[GREEDY_TEMPERATURE_KEY] == stored[GREEDY_TEMPERATURE_KEY]) == map_only  # fitted anew, or kept
+
+
+def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -> None:
+    """Under sampling, a candidate counts as accepted by the probability the target had of sampling it, not by
+    whether the one draw picked it. With draft == target at the sampling temperature those probabilities are the
+    draft's own, so every bin's learnt rate is the mean draft probability of its candidates: inside the bin. One
+    0/1 draw per candidate would leave most bins at 0 or 1, outside them."""
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.0, seed=4)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    torch.manual_seed(0)
+    target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=True,
+                    temperature=0.7, top_k=None, top_p=None, assistant_model=draft, speculator="specexec", budget=8)
+    (learnt,) = calibrated._shared_maps[draft].values()
+    edges = torch.tensor(learnt.state()["edges"], dtype=torch.float64)
+    seen = learnt.trials > 0
+    rates = learnt.accepted[seen] / learnt.trials[seen]
+    lower, upper = edges[:-1].expand_as(learnt.trials)[seen], edges[1:].expand_as(learnt.trials)[seen]
+    assert seen.sum() >= 5
+    assert bool(((rates >= lower * (1 - 1e-4)) & (rates <= upper * (1 + 1e-4))).all()), (rates, lower, upper)

@@ -113,7 +113,8 @@ class AcceptanceMap:
 
     def observe(self, logprobs: torch.Tensor, ranks: torch.Tensor, accepted: torch.Tensor) -> None:
         """Counts candidates with draft log-probabilities ``logprobs`` and sibling ``ranks`` (0: the draft's top
-        token), and whether the target ``accepted`` each."""
+        token), and whether the target ``accepted`` each (bool), or the probability that it would (float: a sampling
+        target's probability of drawing the candidate, the same expectation with less noise)."""
         cells = self._cells(logprobs, ranks).flatten()
         size = self.trials.numel()
         self.trials += torch.bincount(cells, minlength=size).double().view_as(self.trials)

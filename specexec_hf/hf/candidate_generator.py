@@ -206,12 +206,17 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         ranks = torch.arange(top_tokens.shape[-1], device=top_tokens.device).expand(top_tokens.shape)
         return TopCandidates(top_tokens, self.acceptance_map(top_logprobs, ranks))
 
-    def observe(self, result: SearchResult, choices: Sequence[int]) -> None:
+    def observe(
+        self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
+    ) -> None:
         """Teaches the acceptance map what the target chose at each node its walk visited.
 
         Args:
             result: The search whose tree the target verified.
             choices: The target's token at the root and at each accepted node after it (the walk's tokens).
+            choice_probs: When the target samples, the ``[1, vocab]`` distribution it sampled each choice from. The
+                map then learns each candidate's probability of being sampled instead of whether it was: the same
+                expectation (what the map estimates), without the noise of one draw per node.
         """
         if self.acceptance_map is None or not self._expansions:
             return
@@ -225,15 +230,20 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         expanded = torch.cat([nodes for nodes, _, _ in self._expansions])
         row_of = {node: row for row, node in enumerate(expanded.tolist())}
         pool_nodes = result.pool_index[torch.tensor(visited, device=result.pool_index.device)].tolist()
-        observed = [(row_of[node], choice) for node, choice in zip(pool_nodes, choices) if node in row_of]
+        observed = [(index, row_of[node]) for index, node in enumerate(pool_nodes) if node in row_of]
         if not observed:
             return
-        rows = torch.tensor([row for row, _ in observed], device=expanded.device)
+        rows = torch.tensor([row for _, row in observed], device=expanded.device)
         tokens = torch.cat([tokens for _, tokens, _ in self._expansions])[rows]
         logprobs = torch.cat([logprobs for _, _, logprobs in self._expansions])[rows]
-        chosen = torch.tensor([choice for _, choice in observed], device=tokens.device)
+        if choice_probs is None:
+            chosen = torch.tensor([choices[index] for index, _ in observed], device=tokens.device)
+            accepted = tokens == chosen[:, None]
+        else:
+            probs = torch.cat([choice_probs[index] for index, _ in observed]).to(tokens.device)
+            accepted = probs.gather(-1, tokens)
         ranks = torch.arange(tokens.shape[-1]).expand(tokens.shape)
-        self.acceptance_map.observe(logprobs, ranks, tokens == chosen[:, None])
+        self.acceptance_map.observe(logprobs, ranks, accepted)
 
     def _context_matches(self, pool: TokenTree, nodes: torch.Tensor) -> list[tuple[int, dict[int, int]]]:
         """Each node's longest context match: its context is the history followed by the node's path."""

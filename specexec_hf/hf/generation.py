@@ -247,16 +247,18 @@ def generate(
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []
+        sampled_from: list[torch.Tensor] = []  # when sampling, the distribution of each choice, for the drafter
 
         def choose(node: int) -> int:
             scores = processor(sequence, tree, logits.row(node), [node])
             step_scores.append(scores)
             if generation_config.do_sample:
-                return int(torch.multinomial(torch.softmax(scores, dim=-1), 1))
+                sampled_from.append(torch.softmax(scores, dim=-1))
+                return int(torch.multinomial(sampled_from[-1], 1))
             return int(scores.argmax(dim=-1))
 
         acceptance = acceptance_walk(tree, choose)
-        drafter.observe(grown, acceptance.tokens)
+        drafter.observe(grown, acceptance.tokens, sampled_from or None)
         if auto_budget is not None:
             auto_budget.observe(tree, acceptance, drafted - started)
         # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
