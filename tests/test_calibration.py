@@ -217,3 +217,20 @@ def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -
     lower, upper = edges[:-1].expand_as(learnt.trials)[seen], edges[1:].expand_as(learnt.trials)[seen]
     assert seen.sum() >= 5
     assert bool(((rates >= lower * (1 - 1e-4)) & (rates <= upper * (1 + 1e-4))).all()), (rates, lower, upper)
+
+
+def test_context_match_fit_finds_nothing_to_copy_in_independent_tokens() -> None:
+    """On i.i.d. random tokens, what followed a context earlier predicts the next token no better than chance, so
+    the fitted weights stay near 0. (Each position's match must hold only what followed its context before it:
+    when later tokens leaked into it, the fit put ~0.98 on unigram matches.)"""
+    generator = torch.Generator().manual_seed(0)
+    vocab, prompt_length, answer_length = 200, 30, 100
+    sequences, positions = [], []
+    for _ in range(20):
+        sequence = torch.randint(vocab, (prompt_length + answer_length,), generator=generator)
+        sequences.append(sequence)
+        positions.append((sequence[prompt_length:], torch.randn(answer_length, vocab, generator=generator)))
+    fit = calibrate.fit_greedy_context_match(sequences, [prompt_length] * 20, positions, temperature=1.0)
+    assert fit.positions[0] > 300  # plenty of unigram matches to fit on
+    assert fit.weights[0] < 0.05, fit
+    assert fit.cross_entropy >= fit.cross_entropy_without - 0.05

@@ -53,11 +53,15 @@ class ContextIndex:
 
     def longest_match(self, context: Sequence[int]) -> tuple[int, Followers]:
         """The longest suffix of ``context`` (at most ``max_order`` tokens) that occurred in the history with a
-        token after it, and the tokens that followed it; ``(0, {})`` when even its last token is new."""
+        token after it, and the tokens that followed it; ``(0, {})`` when even its last token is new.
+
+        The followers are a copy: the index's own counts grow as the history does, and a match kept past the next
+        :meth:`sync` (an offline fit collecting every position's match) must not see the tokens that came after it.
+        """
         for order in range(min(self.max_order, len(context)), 0, -1):
             followers = self._followers.get(tuple(context[-order:]))
             if followers:
-                return order, followers
+                return order, dict(followers)
         return 0, {}
 
 
