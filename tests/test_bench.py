@@ -143,3 +143,20 @@ def test_aligned_drafts_are_a_copy_of_the_target_or_its_self_drafts():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--draft", "self:int4"]).draft == "self:int4"
+
+
+def test_position_independent_ratio_matches_closed_forms() -> None:
+    """A chain of n tokens accepted with probability a each yields 1 + a + ... + a^n; with only the top rank ever
+    accepted the best tree is that chain, so the ratio is the deeper chain's over the best given chain."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tokens_per_forward  # a benchmark script, importable once its folder is on the path
+
+    a = 0.8
+    chain = lambda n: sum(a**k for k in range(n + 1))  # noqa: E731
+    assert tokens_per_forward.position_independent_ratio([a], 64, [4, 16]) == pytest.approx(chain(64) / chain(16))
+    assert tokens_per_forward.position_independent_ratio([1.0], 256, [16, 32]) == pytest.approx(257 / 33)
+    # A second rank worth accepting makes the tree bushier and better than any chain of the same size.
+    assert tokens_per_forward.position_independent_ratio([0.8, 0.15], 32, [32]) > 1.0
