@@ -353,12 +353,13 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 if assisted and ours:
                     ratio = ours / assisted["tokens_per_target_forward"]
                     lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec@256 / "
-                                 f"{'HF assisted at its defaults' if defaults_only else 'best HF assisted'} "
-                                 f"({assisted_setting_label(assisted)}) = {ratio:.2f}x (goal >= 2x: "
+                                 + ("HF assisted at its defaults" if defaults_only else
+                                    f"best HF assisted ({assisted_setting_label(assisted)})")
+                                 + f" = {ratio:.2f}x (goal >= 2x: "
                                  f"{'met' if ratio >= 2 else 'not met'})")
             acceptance = report["drafts"][draft]["sequoia_acceptance"].get(str(temperature))
             chains = [n for n in args.assistant_tokens if n is not None]
-            if acceptance and chains:
+            if acceptance and chains and temperature == 0:  # a greedy chain's token is accepted with p[0]
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, under position-independent acceptance "
                              f"(the measured rank vector), the best 256-node tree over the best chain of "
                              f"{'/'.join(map(str, chains))}: {position_independent_ratio(acceptance, 256, chains):.2f}x")
