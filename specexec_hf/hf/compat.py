@@ -291,14 +291,15 @@ def node_logits(
             ``generate(output_hidden_states=..., output_attentions=...)`` asks, in ``NodeLogits.outputs`` (through
             the model's own forward, which returns them).
     """
-    if not (hidden_states or attentions or _head_applies_lazily(model)):
+    traced = hidden_states or attentions
+    if not (traced or _head_applies_lazily(model)):
         return NodeLogits(
             logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs, span_positions)
         )
     kwargs = forward_inputs(
         model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
     )
-    if hidden_states or attentions:
+    if traced:
         outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
         return NodeLogits(logits=outputs.logits[0, -num_nodes:].float(), outputs=outputs)
     hidden = model.base_model(**kwargs).last_hidden_state
