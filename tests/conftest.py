@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,6 +24,16 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (the scripts import each other from their own folder)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the threads' spin-waits
 # cost up to 40x.

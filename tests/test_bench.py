@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_model
+from conftest import benchmark_script, perturbed_copy, tiny_model
 
 from specexec_hf.core.config import SpecExecConfig
 from specexec_hf.hf import autobudget, calibrated
@@ -148,14 +148,9 @@ def test_aligned_drafts_are_a_copy_of_the_target_or_its_self_drafts():
 def test_position_independent_ratio_matches_closed_forms() -> None:
     """A chain of n tokens accepted with probability a each yields 1 + a + ... + a^n; with only the top rank ever
     accepted the best tree is that chain, so the ratio is the deeper chain's over the best given chain."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import tokens_per_forward  # a benchmark script, importable once its folder is on the path
-
+    tokens_per_forward = benchmark_script("tokens_per_forward")
     a = 0.8
-    chain = lambda n: sum(a**k for k in range(n + 1))  # noqa: E731
+    chain = lambda n: sum(a**k for k in range(n + 1))
     assert tokens_per_forward.position_independent_ratio([a], 64, [4, 16]) == pytest.approx(chain(64) / chain(16))
     assert tokens_per_forward.position_independent_ratio([1.0], 256, [16, 32]) == pytest.approx(257 / 33)
     # A second rank worth accepting makes the tree bushier and better than any chain of the same size.

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import benchmark_script
 from hypothesis import given
 from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_offload  # a benchmark script, importable once its folder is on the path
+gpu_offload = benchmark_script("gpu_offload")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, scripts/gpu_check runs the full GPU benchmark")

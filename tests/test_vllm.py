@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import benchmark_script
 
 PROPOSER = "specexec_hf.integrations.vllm.SpecExecProposer"
 PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
@@ -27,19 +28,9 @@ SERVER_START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 120
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _benchmark(name: str) -> Any:
-    """A script of benchmarks/ as a module (the scripts import each other from their own folder)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module(name)
-
-
 def _synthetic_models() -> Any:
     """benchmarks/synthetic_models.py, which the benchmarks share."""
-    return _benchmark("synthetic_models")
+    return benchmark_script("synthetic_models")
 
 
 def _specexec_config(draft: Path, budget: int = 16) -> dict[str, Any]:
@@ -213,7 +204,7 @@ class ServerRun:
 def _serve_completions(target: Path, log: Path, extra_args: list[str], extra_env: dict[str, str]) -> ServerRun:
     """Runs ``vllm serve`` on 127.0.0.1 (the serving benchmark's ``Server``), sends ``PROMPTS`` concurrently, reads
     its counters, and fails the test unless the server shuts down on SIGTERM."""
-    serving = _benchmark("vllm_serving")
+    serving = benchmark_script("vllm_serving")
     args = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)), "--enforce-eager",
             *extra_args]  # fmt: skip
     server = serving.Server(str(target), log, args, {**os.environ, **extra_env}, SERVER_START_TIMEOUT_S)

@@ -7,13 +7,12 @@ Each server takes 40-60 s to start on the 2-core CPU machine, so this module tak
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import vllm_serving  # a benchmark script, importable once its folder is on the path
+vllm_serving = benchmark_script("vllm_serving")
 
 pytestmark = pytest.mark.slow
 

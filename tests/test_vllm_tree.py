@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import benchmark_script
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def _load(name: str, path: Path) -> Any:
 
 
 def _synthetic_models() -> Any:
-    return _load("synthetic_models", Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_models.py")
+    return benchmark_script("synthetic_models")
 
 
 def _tree_config(draft: Path, budget: int, **settings: Any) -> dict[str, Any]:
