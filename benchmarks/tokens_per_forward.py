@@ -3,7 +3,8 @@
 Per draft (a copy of the target: draft == target; the self-drafts ``self:int8`` and ``self:int4``, the target with
 quantized weights; the shipped distilled draft), side by side on every prompt, at each budget and temperature:
 SpecExec with online acceptance calibration (the default) and without it (``raw``: ranked by the draft's
-probability; for the shipped draft that is its offline calibration, temperature and context weights), the
+probability; for the shipped draft that is its offline calibration, temperature and context weights), when sampling
+SpecExec with the draft's top tokens as children instead of children drawn from the draft (``top-token``), the
 SpecInfer- and Sequoia-style static trees (``--static-max-depth``; their shapes need a depth), and HF assisted
 generation at each constant ``num_assistant_tokens`` without its confidence threshold and with transformers' own
 defaults (``--assistant-tokens 4 8 16 32 default``; the best of them is reported, and the defaults beside it, which
@@ -43,6 +44,7 @@ import specexec_hf
 from specexec_hf.core.config import SpecExecConfig
 from specexec_hf.core.static_trees import best_first_nodes
 from specexec_hf.tools.bench import (
+    SAMPLING_ONLY_METHODS,
     Bench,
     Run,
     aligned_draft,
@@ -58,7 +60,8 @@ DRAFT_LABELS = {"target": "draft == target", "self:int8": "self:int8", "self:int
 # Benchmark-only drafts: the target with the linear layers of every ``n``-th decoder layer quantized to int4, an
 # agreement level between self:int4 and self:int8.
 PARTIAL_INT4 = {"int4-quarter": 4}
-TREE_METHODS = {"specexec": "SpecExec calibrated", "specexec_raw": "SpecExec raw", "specinfer": "SpecInfer-style",
+TREE_METHODS = {"specexec": "SpecExec calibrated", "specexec_raw": "SpecExec raw",
+                "specexec_top_tokens": "SpecExec top-token children", "specinfer": "SpecInfer-style",
                 "sequoia": "Sequoia-style"}
 
 
@@ -233,7 +236,8 @@ def main() -> None:
         runs = []
         for temperature in args.temperatures:
             budgets = args.budgets if temperature == 0 else args.sampling_budgets
-            runs += [Run(method, temperature, budget=b) for b in budgets for method in args.methods]
+            runs += [Run(method, temperature, budget=b) for b in budgets for method in args.methods
+                     if temperature or method not in SAMPLING_ONLY_METHODS]
             runs += [Run("hf_assisted", temperature, assistant_tokens=n) for n in args.assistant_tokens]
         for results in bench.measure(runs, lambda: None):
             rows = []
@@ -291,9 +295,9 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
     if twins:
         lines += ["", "Trees of the self-drafts grown by their dequantized float twins; twin vs quantized model top-1 "
                   "agreement: " + ", ".join(f"{n} {a:.4f}" for n, a in twins.items()) + "."]
-    methods = [m for m in TREE_METHODS if any(r["method"] == m for r in rows)]
     for temperature in sorted({r["temperature"] for r in rows}):
         greedy = temperature == 0
+        methods = [m for m in TREE_METHODS if any(r["method"] == m and r["temperature"] == temperature for r in rows)]
         title = "greedy (t=0)" if greedy else f"sampling (t={temperature:g}, top-p {args.top_p:g})"
         lines += ["", f"## {title}", "", "| draft | budget | " + " | ".join(TREE_METHODS[m] for m in methods)
                   + " | HF assisted best | HF assisted, defaults | largest possible |"
@@ -363,12 +367,14 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, under position-independent acceptance "
                              f"(the measured rank vector), the best 256-node tree over the best chain of "
                              f"{'/'.join(map(str, chains))}: {position_independent_ratio(acceptance, 256, chains):.2f}x")
-            raw = [(b, tpf(draft, "specexec", temperature, b), tpf(draft, "specexec_raw", temperature, b))
-                   for b in args.budgets]
-            raw = [(b, c / r) for b, c, r in raw if c and r]
-            if raw:
-                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, calibrated / raw: "
-                             + ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in raw))
+            for ablation, label in (("specexec_raw", "calibrated / raw"),
+                                    ("specexec_top_tokens", "drawn children / top-token children")):
+                ratios = [(b, tpf(draft, "specexec", temperature, b), tpf(draft, ablation, temperature, b))
+                          for b in sorted(set(args.budgets) | set(args.sampling_budgets))]
+                ratios = [(b, ours / other) for b, ours, other in ratios if ours and other]
+                if ratios:
+                    lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, {label}: "
+                                 + ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in ratios))
     return lines
 
 
@@ -396,7 +402,7 @@ def write_plot(report: dict, path: Path, new_tokens: int) -> None:
                     axis.plot(*zip(*points), marker="o", label=label, color=f"C{index}")
             assisted = best_assisted(rows, draft, temperature)
             if assisted:
-                axis.axhline(assisted["tokens_per_target_forward"], linestyle="--", color="C4",
+                axis.axhline(assisted["tokens_per_target_forward"], linestyle="--", color="C9",
                              label=f"HF assisted best ({assisted_setting_label(assisted)})")
             if temperature == 0 and budgets:
                 axis.plot(budgets, [largest_possible(new_tokens, b) for b in budgets], linestyle=":", color="gray",

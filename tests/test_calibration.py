@@ -199,24 +199,42 @@ def test_calibrate_command_stores_the_acceptance_map_beside_the_fits_it_ranks_wi
     assert (meta[GREEDY_TEMPERATURE_KEY] == stored[GREEDY_TEMPERATURE_KEY]) == map_only  # fitted anew, or kept
 
 
-def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -> None:
-    """Under sampling, a candidate counts as accepted by the probability the target had of sampling it, not by
-    whether the one draw picked it. With draft == target at the sampling temperature those probabilities are the
-    draft's own, so every bin's learnt rate is the mean draft probability of its candidates: inside the bin. One
-    0/1 draw per candidate would leave most bins at 0 or 1, outside them."""
+def _learn_sampling_with_draft_equal_to_target(sampled_children: bool):
     target = tiny_model("llama", seed=3)
     draft = perturbed_copy(target, 0.0, seed=4)
     prompt = torch.tensor([[5, 9, 2, 7]])
     torch.manual_seed(0)
     target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=True,
-                    temperature=0.7, top_k=None, top_p=None, assistant_model=draft, speculator="specexec", budget=8)
+                    temperature=0.7, top_k=None, top_p=None, assistant_model=draft, speculator="specexec", budget=8,
+                    sampled_children=sampled_children)
     (learnt,) = calibrated._shared_maps[draft].values()
+    return learnt
+
+
+def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -> None:
+    """Under sampling, a top-token candidate counts as accepted by the probability the target had of sampling it,
+    not by whether the one draw picked it. With draft == target at the sampling temperature those probabilities are
+    the draft's own, so every bin's learnt rate is the mean draft probability of its candidates: inside the bin. One
+    0/1 draw per candidate would leave most bins at 0 or 1, outside them."""
+    learnt = _learn_sampling_with_draft_equal_to_target(sampled_children=False)
     edges = torch.tensor(learnt.state()["edges"], dtype=torch.float64)
     seen = learnt.trials > 0
     rates = learnt.accepted[seen] / learnt.trials[seen]
     lower, upper = edges[:-1].expand_as(learnt.trials)[seen], edges[1:].expand_as(learnt.trials)[seen]
     assert seen.sum() >= 5
     assert bool(((rates >= lower * (1 - 1e-4)) & (rates <= upper * (1 + 1e-4))).all()), (rates, lower, upper)
+
+
+def test_drawn_children_teach_the_map_the_rejection_chain_s_probability_of_taking_each() -> None:
+    """With drawn children, a candidate counts as accepted by the probability that the rejection chain takes it.
+    With draft == target the fixed top token is taken with its own probability and, when it is not, the first drawn
+    child for certain: per visited node the two add up to 1, and no later child is ever taken."""
+    learnt = _learn_sampling_with_draft_equal_to_target(sampled_children=True)
+    visits = float(learnt.trials[0].sum())
+    assert visits >= 10 and float(learnt.trials[1].sum()) == visits
+    assert abs(float(learnt.accepted[:2].sum()) - visits) < 1e-4 * visits
+    assert 0.05 * visits < float(learnt.accepted[1].sum()) < 0.95 * visits  # both kinds of child are taken
+    assert float(learnt.accepted[2:].max()) < 1e-5  # float32 logits of two forwards differ slightly
 
 
 def test_context_match_fit_finds_nothing_to_copy_in_independent_tokens() -> None:

@@ -57,22 +57,26 @@ def exact_distribution(model, warpers: LogitsProcessorList) -> dict[tuple[int, .
 
 
 CASES = {
-    "temperature": ({"temperature": 0.5}, None),
-    "top_k": ({"temperature": 1.5, "top_k": 3}, None),
-    "top_p": ({"temperature": 1.2, "top_p": 0.7}, None),
-    "context_match": ({"temperature": 0.5}, (0.6, 0.9)),  # trees also ranked by guesses copied from the prompt
+    "temperature": ({"temperature": 0.5}, {}),
+    "top_k": ({"temperature": 1.5, "top_k": 3}, {}),
+    "top_p": ({"temperature": 1.2, "top_p": 0.7}, {}),
+    # trees also ranked by guesses copied from the prompt
+    "context_match": ({"temperature": 0.5}, {"context_match_weights": (0.6, 0.9)}),
+    # children after the top token drawn from the draft and verified by recursive rejection sampling
+    "drawn_children": ({"temperature": 0.5}, {"sampled_children": True}),
+    "drawn_children_top_p": ({"temperature": 1.2, "top_p": 0.7}, {"sampled_children": True}),
 }
 # On CUDA two cases, so that `pytest -m cuda` fits a GPU check of a few minutes: the device changes where the
 # sampling runs, not which processors shape the distribution.
-CUDA_CASES = ("temperature", "top_p")
+CUDA_CASES = ("temperature", "drawn_children_top_p")
 
 
 @pytest.mark.parametrize(
-    "settings, context_match_weights, device",
+    "settings, knobs, device",
     [pytest.param(*CASES[name], "cpu", id=name) for name in CASES]
     + [pytest.param(*CASES[name], "cuda", id=f"{name}-cuda", marks=pytest.mark.cuda) for name in CUDA_CASES],
 )
-def test_samples_follow_the_targets_processed_distribution(settings, context_match_weights, device):
+def test_samples_follow_the_targets_processed_distribution(settings, knobs, device):
     target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
     target, draft, prompt = on_device(device, target, perturbed_copy(target, 0.3, seed=12), PROMPT)
     distribution = exact_distribution(target, processors(settings))
@@ -83,8 +87,7 @@ def test_samples_follow_the_targets_processed_distribution(settings, context_mat
     for _ in range(SAMPLES):
         out = target.generate(
             prompt, do_sample=True, max_new_tokens=NEW_TOKENS, **{"top_k": None, "top_p": None, **settings},
-            assistant_model=draft, speculator="specexec", budget=6, max_branch=3,
-            context_match_weights=context_match_weights,
+            assistant_model=draft, speculator="specexec", budget=6, max_branch=3, **knobs,
         )
         outcome = tuple(out[0, PROMPT.shape[1] :].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1

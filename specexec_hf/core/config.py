@@ -33,6 +33,12 @@ class SpecExecConfig:
         acceptance_calibration: Rank the tree by the estimated probability that the target accepts each path,
             learnt from the verification walks as decoding goes (:mod:`specexec_hf.core.acceptance_map`), instead of
             by the draft's probability alone. It shapes the tree only.
+        sampled_children: When the target samples, keep each node's top draft token as its first child but draw
+            the others from the draft's distribution (without replacement), verified by recursive rejection sampling,
+            which accepts a drawn child up to ``sum min(p, q)`` of the time. ``False`` (the default; the two were
+            even on the measured pair) takes the draft's top tokens throughout, accepted only when the target's own
+            draw hits one. Either way the output follows the target's distribution exactly. Greedy decoding always
+            takes the top tokens.
     """
 
     budget: int | Literal["auto"] = 64
@@ -43,6 +49,7 @@ class SpecExecConfig:
     draft_temperature: float | None = None
     context_match_weights: tuple[float, ...] | None = None
     acceptance_calibration: bool = True
+    sampled_children: bool = False
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
@@ -58,10 +65,9 @@ class SpecExecConfig:
                 f"SpecExecConfig.max_draft_forwards must be None or a non-negative integer, got "
                 f"{self.max_draft_forwards!r}."
             )
-        if not isinstance(self.acceptance_calibration, bool):
-            raise ValueError(
-                f"SpecExecConfig.acceptance_calibration must be True or False, got {self.acceptance_calibration!r}."
-            )
+        for name in ("acceptance_calibration", "sampled_children"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SpecExecConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.draft_temperature is not None and not self.draft_temperature > 0:
             raise ValueError(
                 f"SpecExecConfig.draft_temperature must be None or > 0, got {self.draft_temperature!r}."

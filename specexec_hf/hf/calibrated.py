@@ -25,7 +25,8 @@ ACCEPTANCE_MAP_ATTRIBUTE = "specexec_greedy_acceptance_map"
 ACCEPTANCE_MAP_KEY = "greedy_acceptance_map"
 """Key of a draft export's JSON holding the same record (written by ``specexec-hf calibrate --write``)."""
 
-# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights) setting.
+# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights, sampled children)
+# setting.
 _shared_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = weakref.WeakKeyDictionary()
 
 
@@ -91,16 +92,21 @@ def starting_acceptance_map(
 
 
 def shared_acceptance_map(
-    draft: PreTrainedModel, sampling: bool, temperature: float, match_weights: Sequence[float]
+    draft: PreTrainedModel,
+    sampling: bool,
+    temperature: float,
+    match_weights: Sequence[float],
+    sampled_children: bool = False,
 ) -> AcceptanceMap:
     """The acceptance map learnt so far for ``draft`` at this ranking setting, shared by every caller (``generate()``
     calls, a serving engine's requests) so what one walk teaches ranks the next tree; the first call at a setting
     starts from :func:`starting_acceptance_map`.
 
-    Args: as :func:`starting_acceptance_map`.
+    Args: as :func:`starting_acceptance_map`, and ``sampled_children``: whether the trees' children are drawn from
+        the draft (their acceptance is that of a rejection chain, another map).
     """
     by_setting = _shared_maps.setdefault(draft, {})
-    key = (sampling, float(temperature), tuple(match_weights))
+    key = (sampling, float(temperature), tuple(match_weights), sampled_children)
     if key not in by_setting:
         by_setting[key] = starting_acceptance_map(draft, sampling, temperature, match_weights)
     return by_setting[key]

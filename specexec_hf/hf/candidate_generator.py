@@ -7,6 +7,7 @@ batched draft forward, padded per request, instead of one forward per request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,14 @@ from ..core.context_match import ContextIndex, mix_context_guesses
 from ..core.masks import causal_pattern
 from ..core.search import BestFirstSearch, SearchFn, SearchResult, TopCandidates, grow_tree
 from ..core.tree import TokenTree
+from ..core.verify import rejection_chain
 from .compat import batch_logits, check_supported, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
+
+SAMPLED_AFTER = 1
+"""With ``sampled_children``, how many of a node's children are its top tokens, fixed, before the drawn ones: where
+the target is confident (often one-hot after top-p) its draw hits the draft's top token more often than a draw from
+the draft would be accepted."""
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -74,6 +81,12 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             :mod:`specexec_hf.core.context_match`); empty for none.
         acceptance_map: Ranks candidates by their estimated acceptance (fed by :meth:`observe`); ``None`` ranks by
             the draft's probability.
+        sampled_children: After each node's top token, draw its other ``max_branch - 1`` candidates from the
+            draft's distribution without replacement (Gumbel-top-k) instead of taking its next tokens, for a sampling
+            target that verifies them by recursive rejection sampling
+            (:func:`~specexec_hf.core.verify.rejection_chain` with ``fixed=SAMPLED_AFTER``, fed by
+            :meth:`draft_probs`). A drawn candidate's ranking score is that of the draft's token of the same rank:
+            it must not depend on which token was drawn, or keeping the candidate would bias the draw.
     """
 
     def __init__(
@@ -84,6 +97,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         search: SearchFn = grow_tree,
         context_match_weights: Sequence[float] = (),
         acceptance_map: AcceptanceMap | None = None,
+        sampled_children: bool = False,
     ):
         check_supported(draft_model, "draft")
         if acceptance_map is not None and search is not grow_tree:
@@ -97,9 +111,11 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         self.search = search
         self.context_match_weights = tuple(context_match_weights)
         self.acceptance_map = acceptance_map
-        # Per expansion: (pool nodes, their best max_branch candidate tokens, draft log-probs), for acceptance_map to
-        # learn from; kept on the device until the walk needs a few rows.
-        self._expansions: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.sampled_children = sampled_children
+        # This tree's expansions, for acceptance_map to learn from and the walk to verify sampled children against;
+        # kept on the device until the walk needs a few rows.
+        self._expansions: list[_Expansion] = []
+        self._expansion_of: dict[int, tuple[int, int]] | None = None  # pool node -> (expansion, row); None: stale
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
         self.cache = new_cache()
         self.cached_ids: list[int] = []
@@ -144,7 +160,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
-        self._expansions = []
+        self._expansions, self._expansion_of = [], None
         self._sync_cache(self._history)
         if self._context is not None:
             self._context.sync(self._history)
@@ -197,14 +213,48 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         logprobs = self._logprobs(logits)
         if self._context is not None:
             logprobs = mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
-        if self.acceptance_map is None:
+        if self.acceptance_map is None and not self.sampled_children:
             return logprobs
-        # Rank by estimated acceptance. The search keeps each node's best max_branch candidates, which a monotone
-        # map does not change; they are kept to learn from once the target has walked the tree.
-        top_logprobs, top_tokens = logprobs.topk(min(self.config.max_branch, logprobs.shape[-1]), dim=-1)
-        self._expansions.append((nodes, top_tokens, top_logprobs))
-        ranks = torch.arange(top_tokens.shape[-1], device=top_tokens.device).expand(top_tokens.shape)
-        return TopCandidates(top_tokens, self.acceptance_map(top_logprobs, ranks))
+        # The search keeps each node's best max_branch candidates, which a monotone map does not reorder; they are
+        # kept to learn from once the target has walked the tree.
+        branch = min(self.config.max_branch, logprobs.shape[-1])
+        top_logprobs, top_tokens = logprobs.topk(branch, dim=-1)
+        ranks = torch.arange(branch, device=top_tokens.device).expand(top_tokens.shape)
+        if self.sampled_children and branch > SAMPLED_AFTER:
+            # Gumbel-top-k: the order of log q + Gumbel noise (log q - log E, E ~ Exp(1)) is a draw without
+            # replacement from q, here from q without the fixed top tokens. Tokens of zero probability sort last
+            # and, like their rank's score, are -inf.
+            keys = logprobs - torch.empty_like(logprobs).exponential_().log()
+            keys.scatter_(-1, top_tokens[:, :SAMPLED_AFTER], -math.inf)
+            drawn = keys.topk(branch - SAMPLED_AFTER, dim=-1).indices
+            top_tokens = torch.cat([top_tokens[:, :SAMPLED_AFTER], drawn], dim=-1)
+        drawn_from = logprobs if self.sampled_children else None
+        self._expansions.append(_Expansion(nodes, top_tokens, top_logprobs, drawn_from))
+        self._expansion_of = None
+        scores = top_logprobs if self.acceptance_map is None else self.acceptance_map(top_logprobs, ranks)
+        if self.sampled_children:
+            # Kept children must be the fixed ones, then a prefix of the draw: scores may not rise with rank.
+            scores = scores.cummin(dim=-1).values
+        return TopCandidates(top_tokens, scores)
+
+    def draft_probs(self, result: SearchResult, node: int) -> torch.Tensor:
+        """``[vocab]`` the draft distribution tree ``node``'s children were drawn from (``sampled_children`` only)."""
+        found = self._expansion_rows().get(int(result.pool_index[node]))
+        if found is None or self._expansions[found[0]].logprobs is None:
+            raise ValueError(f"Tree node {node} has no drawn children in this generator's last search.")
+        expansion, row = found
+        return torch.softmax(self._expansions[expansion].logprobs[row].double(), dim=-1)
+
+    def _expansion_rows(self) -> dict[int, tuple[int, int]]:
+        """``{pool node: (expansion, row)}`` for the nodes this tree's search expanded (one host read per tree)."""
+        if self._expansion_of is None:
+            nodes = iter(torch.cat([expansion.nodes for expansion in self._expansions]).tolist())
+            self._expansion_of = {
+                next(nodes): (index, row)
+                for index, expansion in enumerate(self._expansions)
+                for row in range(expansion.nodes.numel())
+            }
+        return self._expansion_of
 
     def observe(
         self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
@@ -227,16 +277,22 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             node = children.get((node, choice), -1)
             if node < 0:
                 break
-        expanded = torch.cat([nodes for nodes, _, _ in self._expansions])
-        row_of = {node: row for row, node in enumerate(expanded.tolist())}
         pool_nodes = result.pool_index[torch.tensor(visited, device=result.pool_index.device)].tolist()
-        observed = [(index, row_of[node]) for index, node in enumerate(pool_nodes) if node in row_of]
+        expansion_rows = self._expansion_rows()
+        observed = [(index, expansion_rows[node]) for index, node in enumerate(pool_nodes) if node in expansion_rows]
         if not observed:
             return
-        rows = torch.tensor([row for _, row in observed], device=expanded.device)
-        tokens = torch.cat([tokens for _, tokens, _ in self._expansions])[rows]
-        logprobs = torch.cat([logprobs for _, _, logprobs in self._expansions])[rows]
-        if choice_probs is None:
+        tokens = torch.stack([self._expansions[expansion].tokens[row] for _, (expansion, row) in observed])
+        logprobs = torch.stack([self._expansions[expansion].top_logprobs[row] for _, (expansion, row) in observed])
+        if self.sampled_children and choice_probs is not None:
+            # What the map estimates for a drawn candidate: the probability that the rejection chain takes it.
+            accepted = torch.stack([
+                _taken(rejection_chain(
+                    choice_probs[index][0], self.draft_probs(result, visited[index]), row, SAMPLED_AFTER
+                )[0])
+                for (index, _), row in zip(observed, tokens.cpu())
+            ])
+        elif choice_probs is None:
             chosen = torch.tensor([choices[index] for index, _ in observed], device=tokens.device)
             accepted = tokens == chosen[:, None]
         else:
@@ -276,6 +332,24 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         compact_cache(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
+
+
+@dataclass
+class _Expansion:
+    """One draft forward's expanded pool ``nodes``, their ``[n, max_branch]`` candidate ``tokens`` (the draft's top
+    tokens, or a draw without replacement), the draft's top ``[n, max_branch]`` log-probs, and with sampled children
+    the ``[n, vocab]`` log-probs they were drawn from."""
+
+    nodes: torch.Tensor
+    tokens: torch.Tensor
+    top_logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
+
+
+def _taken(accept: torch.Tensor) -> torch.Tensor:
+    """Per candidate, the probability that a rejection chain with these acceptance probabilities takes it."""
+    rejected_before = torch.cat([accept.new_ones(1), torch.cumprod(1 - accept, dim=0)[:-1]])
+    return accept * rejected_before
 
 
 def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:

@@ -28,11 +28,11 @@ from ..core.masks import chain_and_tree_mask
 from ..core.search import SearchFn, grow_tree
 from ..core.stats import SpecExecStats, StepStats
 from ..core.tree import TokenTree
-from ..core.verify import acceptance_walk
+from ..core.verify import acceptance_walk, rejection_sample
 from .attention_spans import attention_spans, decoder_layer_types
 from .autobudget import auto_budget_for
 from .calibrated import ranking_setting, shared_acceptance_map
-from .candidate_generator import SpecExecCandidateGenerator
+from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
 from .compat import (
     check_masked_tokens_supported,
     check_same_vocabulary,
@@ -131,6 +131,7 @@ def generate(
     draft_temperature: float | None = None,
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
+    sampled_children: bool | None = None,
     tree_search: SearchFn = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -155,8 +156,8 @@ def generate(
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
-            context_match_weights, acceptance_calibration: see :class:`SpecExecConfig`; ``budget="auto"`` picks the
-            budget before every step.
+            context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
+            ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
@@ -186,17 +187,22 @@ def generate(
         draft_temperature=draft_temperature,
         context_match_weights=context_match_weights,
         acceptance_calibration=acceptance_calibration,
+        sampled_children=sampled_children,
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
     draft_temperature, match_weights = ranking_setting(
         draft_model, config, generation_config.do_sample, generation_config.temperature
     )
-    calibrate = config.acceptance_calibration and tree_search is grow_tree  # static trees fix their shape
+    # Static trees fix their own shape and children.
+    calibrate = config.acceptance_calibration and tree_search is grow_tree
+    sampled_children = generation_config.do_sample and config.sampled_children and tree_search is grow_tree
     drafter = SpecExecCandidateGenerator(
         draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
-        acceptance_map=shared_acceptance_map(draft_model, generation_config.do_sample, draft_temperature, match_weights)
-        if calibrate else None,
+        acceptance_map=shared_acceptance_map(
+            draft_model, generation_config.do_sample, draft_temperature, match_weights, sampled_children
+        ) if calibrate else None,
+        sampled_children=sampled_children,
     )
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     processor = TreeLogitsProcessor(logits_processor)
@@ -252,10 +258,14 @@ def generate(
         def choose(node: int) -> int:
             scores = processor(sequence, tree, logits.row(node), [node])
             step_scores.append(scores)
-            if generation_config.do_sample:
-                sampled_from.append(torch.softmax(scores, dim=-1))
-                return int(torch.multinomial(sampled_from[-1], 1))
-            return int(scores.argmax(dim=-1))
+            if not generation_config.do_sample:
+                return int(scores.argmax(dim=-1))
+            sampled_from.append(torch.softmax(scores, dim=-1))
+            children = tree.children(node) if sampled_children else None
+            if children is not None and children.numel():
+                draft_probs = drafter.draft_probs(grown, node)
+                return rejection_sample(sampled_from[-1][0], draft_probs, tree.tokens[children], SAMPLED_AFTER)
+            return int(torch.multinomial(sampled_from[-1], 1))
 
         acceptance = acceptance_walk(tree, choose)
         drafter.observe(grown, acceptance.tokens, sampled_from or None)
