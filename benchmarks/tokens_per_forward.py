@@ -4,7 +4,7 @@ Per draft (a copy of the target: draft == target; the self-drafts ``self:int8`` 
 quantized weights; the shipped distilled draft), side by side on every prompt, at each budget and temperature:
 SpecExec with online acceptance calibration (the default) and without it (``raw``: ranked by the draft's
 probability; for the shipped draft that is its offline calibration, temperature and context weights), when sampling
-SpecExec with the draft's top tokens as children instead of children drawn from the draft (``top-token``), the
+SpecExec with the children after each node's top token drawn from the draft (``drawn``, ``sampled_children=True``), the
 SpecInfer- and Sequoia-style static trees (``--static-max-depth``; their shapes need a depth), and HF assisted
 generation at each constant ``num_assistant_tokens`` without its confidence threshold and with transformers' own
 defaults (``--assistant-tokens 4 8 16 32 default``; the best of them is reported, and the defaults beside it, which
@@ -61,7 +61,7 @@ DRAFT_LABELS = {"target": "draft == target", "self:int8": "self:int8", "self:int
 # agreement level between self:int4 and self:int8.
 PARTIAL_INT4 = {"int4-quarter": 4}
 TREE_METHODS = {"specexec": "SpecExec calibrated", "specexec_raw": "SpecExec raw",
-                "specexec_top_tokens": "SpecExec top-token children", "specinfer": "SpecInfer-style",
+                "specexec_drawn": "SpecExec drawn children", "specinfer": "SpecInfer-style",
                 "sequoia": "Sequoia-style"}
 
 
@@ -367,9 +367,9 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, under position-independent acceptance "
                              f"(the measured rank vector), the best 256-node tree over the best chain of "
                              f"{'/'.join(map(str, chains))}: {position_independent_ratio(acceptance, 256, chains):.2f}x")
-            for ablation, label in (("specexec_raw", "calibrated / raw"),
-                                    ("specexec_top_tokens", "drawn children / top-token children")):
-                ratios = [(b, tpf(draft, "specexec", temperature, b), tpf(draft, ablation, temperature, b))
+            for numerator, denominator, label in (("specexec", "specexec_raw", "calibrated / raw"),
+                                                  ("specexec_drawn", "specexec", "drawn children / top tokens")):
+                ratios = [(b, tpf(draft, numerator, temperature, b), tpf(draft, denominator, temperature, b))
                           for b in sorted(set(args.budgets) | set(args.sampling_budgets))]
                 ratios = [(b, ours / other) for b, ours, other in ratios if ours and other]
                 if ratios:

@@ -11,8 +11,8 @@ Every method runs the same target and draft over the same held-out chat prompts:
 - ``specexec``: SpecExec's best-first tree at each budget, and ``specexec_auto`` with ``budget="auto"``;
 - ``specexec_raw``: SpecExec with online acceptance calibration off (trees ranked by the draft's probability);
 - ``specexec_draft_only``: SpecExec with context matching off (trees ranked by the draft alone), the ablation;
-- ``specexec_top_tokens``: when sampling, SpecExec with the draft's top tokens as children (``sampled_children=False``,
-  verified by the target's own draw) instead of children drawn from the draft; not run greedy, where they are the same.
+- ``specexec_drawn``: when sampling, SpecExec with the children after each node's top token drawn from the draft and
+  verified by recursive rejection sampling (``sampled_children=True``); not run greedy, where it is ``specexec``.
 
 The static trees take ``--max-depth`` (their shapes are built for one depth); SpecExec takes ``--specexec-max-depth``
 (default: none, the library's default, the depth following the budget and the tokens left).
@@ -60,11 +60,11 @@ from .prompts import chat_inputs, load_prompts
 
 METHODS = (
     "autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto", "specexec_raw",
-    "specexec_draft_only", "specexec_top_tokens",
+    "specexec_draft_only", "specexec_drawn",
 )
-TREE_METHODS = ("specexec", "specexec_raw", "specexec_draft_only", "specexec_top_tokens", "specinfer", "sequoia")
-SPECEXEC_METHODS = ("specexec", "specexec_auto", "specexec_raw", "specexec_draft_only", "specexec_top_tokens")
-SAMPLING_ONLY_METHODS = ("specexec_top_tokens",)  # greedy, they are another method exactly
+TREE_METHODS = ("specexec", "specexec_raw", "specexec_draft_only", "specexec_drawn", "specinfer", "sequoia")
+SPECEXEC_METHODS = ("specexec", "specexec_auto", "specexec_raw", "specexec_draft_only", "specexec_drawn")
+SAMPLING_ONLY_METHODS = ("specexec_drawn",)  # greedy, they are another method exactly
 DRAFT_CHOICES = ("default", "target", "self:int4", "self:int8")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
@@ -213,7 +213,7 @@ class Bench:
             "specexec_auto": lambda: grow_tree,
             "specexec_raw": lambda: grow_tree,
             "specexec_draft_only": lambda: grow_tree,
-            "specexec_top_tokens": lambda: grow_tree,
+            "specexec_drawn": lambda: grow_tree,
         }
         tree = replace(self.tree, max_depth=self.specexec_max_depth) if run.method in SPECEXEC_METHODS else self.tree
         kwargs = {
@@ -227,8 +227,8 @@ class Bench:
             kwargs["context_match_weights"] = ()
         if run.method == "specexec_raw":
             kwargs["acceptance_calibration"] = False
-        if run.method == "specexec_top_tokens":
-            kwargs["sampled_children"] = False
+        if run.method == "specexec_drawn":
+            kwargs["sampled_children"] = True
         return kwargs
 
     def generate(self, run: Run, index: int) -> dict[str, Any]:
