@@ -3,7 +3,8 @@
 - :mod:`.tree`: the token tree (parents-first nodes, depths, cumulative draft log-probs, ancestor masks);
 - :mod:`.search`: SpecExec's best-first tree growth (a ``SearchFn``); :mod:`.static_trees`: SpecInfer- and
   Sequoia-style trees behind the same interface, the place for further tree policies;
-- :mod:`.verify`: the acceptance walk of the target's own choices down the tree;
+- :mod:`.verify`: the acceptance walk of the target's own choices down the tree, and recursive rejection sampling
+  for drawn children;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
 - :mod:`.acceptance_map`: the online map from draft probability to acceptance probability;
 - :mod:`.config`: the knobs; :mod:`.stats`: what a generation reports.
@@ -22,7 +23,7 @@ from .static_trees import (
 )
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
-from .verify import Acceptance, acceptance_walk
+from .verify import Acceptance, acceptance_walk, rejection_chain, rejection_sample
 
 __all__ = [
     "Acceptance",
@@ -46,4 +47,6 @@ __all__ = [
     "chain_and_tree_mask",
     "grow_tree",
     "mix_context_guesses",
+    "rejection_chain",
+    "rejection_sample",
 ]
