@@ -23,7 +23,7 @@ from .static_trees import (
 )
 from .stats import SpecExecStats, StepStats
 from .tree import TokenTree
-from .verify import Acceptance, acceptance_walk, rejection_chain, rejection_sample
+from .verify import Acceptance, acceptance_walk, rejection_chain, rejection_sample, taken_probabilities
 
 __all__ = [
     "Acceptance",
@@ -49,4 +49,5 @@ __all__ = [
     "mix_context_guesses",
     "rejection_chain",
     "rejection_sample",
+    "taken_probabilities",
 ]

@@ -101,6 +101,17 @@ def rejection_chain(
     return accept_probs, target
 
 
+def taken_probabilities(accept: torch.Tensor) -> torch.Tensor:
+    """Per candidate, the probability that the chain takes it: it is reached (every candidate before it was
+    rejected) and accepted. ``1 - taken.sum()`` is the probability that the bonus token is drawn from the residual.
+
+    Args:
+        accept: ``[k]`` acceptance probabilities from :func:`rejection_chain`.
+    """
+    rejected_before = torch.cat([accept.new_ones(1), torch.cumprod(1 - accept, dim=0)[:-1]])
+    return accept * rejected_before
+
+
 def rejection_sample(
     target_probs: torch.Tensor, draft_probs: torch.Tensor, candidates: torch.Tensor, fixed: int = 0
 ) -> int:

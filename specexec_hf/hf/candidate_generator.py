@@ -21,7 +21,7 @@ from ..core.context_match import ContextIndex, mix_context_guesses
 from ..core.masks import causal_pattern
 from ..core.search import BestFirstSearch, SearchFn, SearchResult, TopCandidates, grow_tree
 from ..core.tree import TokenTree
-from ..core.verify import rejection_chain
+from ..core.verify import rejection_chain, taken_probabilities
 from .compat import batch_logits, check_supported, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
 
@@ -287,7 +287,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         if self.sampled_children and choice_probs is not None:
             # What the map estimates for a drawn candidate: the probability that the rejection chain takes it.
             accepted = torch.stack([
-                _taken(rejection_chain(
+                taken_probabilities(rejection_chain(
                     choice_probs[index][0], self.draft_probs(result, visited[index]), row, SAMPLED_AFTER
                 )[0])
                 for (index, _), row in zip(observed, tokens.cpu())
@@ -344,12 +344,6 @@ class _Expansion:
     tokens: torch.Tensor
     top_logprobs: torch.Tensor
     logprobs: torch.Tensor | None
-
-
-def _taken(accept: torch.Tensor) -> torch.Tensor:
-    """Per candidate, the probability that a rejection chain with these acceptance probabilities takes it."""
-    rejected_before = torch.cat([accept.new_ones(1), torch.cumprod(1 - accept, dim=0)[:-1]])
-    return accept * rejected_before
 
 
 def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
