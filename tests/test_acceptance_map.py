@@ -115,6 +115,27 @@ def test_draft_equal_to_target_fills_the_forward():
     assert stats.tokens_per_target_forward > 2 * raw
 
 
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_calibrated_trees_forecast_the_tokens_the_target_accepts(noise):
+    """Each step's forecast (the sum of its nodes' estimated path acceptance) matches, over a call, the tokens the
+    walks accepted once the map has learnt; ranked by the draft's raw probability, the forecast is several times
+    too low for a draft equal to its target (its top tokens are never certain, yet always accepted) and several
+    times too high for a noisy draft."""
+    target = tiny_model("llama", seed=3, sharpness=1.0)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    ratios = {}
+    for calibrated in (False, True):
+        draft = perturbed_copy(target, noise, seed=4)
+        for _ in range(4):  # the first calls teach the map, the last one is measured
+            stats = SpecExecStats()
+            target.generate(ids, max_new_tokens=64, do_sample=False, assistant_model=draft, speculator="specexec",
+                            budget=32, acceptance_calibration=calibrated, specexec_stats=stats)
+        ratios[calibrated] = stats.forecast_ratio
+        assert stats.summary()["forecast_ratio"] == ratios[calibrated]
+    assert 0.7 < ratios[True] < 1.4, ratios
+    assert not 0.5 < ratios[False] < 2, ratios
+
+
 def test_a_handful_of_walks_moves_the_whole_curve():
     """The smooth prior learns from every bin of a rank group: five walks in which the draft's top token always won
     (at probabilities from 0.5 up) lift the top-token bins no walk visited, and sink the runners-up."""

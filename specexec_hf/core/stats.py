@@ -15,6 +15,11 @@ class StepStats:
         draft_forwards: Draft forward calls that grew the tree.
         draft_seconds: Wall time spent growing the tree.
         target_seconds: Wall time of the target forward.
+        path_length: Tree tokens the target accepted (the walk's path below the root, before any stop).
+        forecast: Tree tokens the tree's ranking expected the target to accept: the sum over its nodes of their
+            estimated path acceptance probability (with ``acceptance_calibration``, what the acceptance map learnt;
+            without it, the draft's path probability). Over many steps, a well-calibrated ranking forecasts about
+            ``path_length``; a forecast far below it means the tree trusts the draft too little.
     """
 
     tree_size: int
@@ -22,6 +27,8 @@ class StepStats:
     draft_forwards: int
     draft_seconds: float
     target_seconds: float
+    path_length: int = 0
+    forecast: float = 0.0
 
 
 @dataclass
@@ -54,6 +61,11 @@ class SpecExecStats:
     def target_seconds(self) -> float:
         return sum(step.target_seconds for step in self.steps)
 
+    @property
+    def forecast_ratio(self) -> float:
+        """The trees' forecast accepted tokens over the tokens they actually had accepted (1: calibrated)."""
+        return sum(step.forecast for step in self.steps) / max(sum(step.path_length for step in self.steps), 1)
+
     def summary(self) -> dict[str, float]:
         return {
             "new_tokens": self.new_tokens,
@@ -63,4 +75,5 @@ class SpecExecStats:
             "mean_tree_size": sum(s.tree_size for s in self.steps) / max(self.target_forwards, 1),
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
+            "forecast_ratio": self.forecast_ratio,
         }

@@ -303,6 +303,9 @@ def generate(
                 draft_forwards=grown.draft_forwards,
                 draft_seconds=drafted - started,
                 target_seconds=verified - drafted,
+                path_length=len(acceptance.path),
+                # Node scores are cumulative log-probabilities of acceptance (the ranking's own estimate).
+                forecast=float(tree.logprobs[1:].double().exp().sum()),
             )
         )
 
