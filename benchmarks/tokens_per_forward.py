@@ -246,6 +246,9 @@ def main() -> None:
                                                     "new_tokens", "target_forwards", "draft_forwards",
                                                     "tokens_per_target_forward")}
                 row["per_prompt"] = [record["tokens_per_target_forward"] for record in result["records"]]
+                accepted = sum(record["path_length"] for record in result["records"])
+                if result["method"] in TREE_METHODS and accepted:
+                    row["forecast_ratio"] = sum(record["forecast"] for record in result["records"]) / accepted
                 if result["temperature"] == 0:
                     outputs = [record["output"] for record in result["records"]]
                     row["identical_to_plain_greedy"] = outputs == expected[: len(outputs)]
@@ -375,6 +378,14 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 if ratios:
                     lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, {label}: "
                                  + ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in ratios))
+            forecasts = {m: [(r["budget"], r["forecast_ratio"]) for r in rows if (r["draft"], r["method"],
+                             r["temperature"]) == (draft, m, temperature) and "forecast_ratio" in r]
+                         for m in ("specexec", "specexec_raw", "specexec_drawn")}
+            if any(forecasts.values()):
+                lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, tokens the trees forecast / tokens "
+                             "accepted (1: the ranking trusts the draft as the target does): " + "; ".join(
+                                 f"{TREE_METHODS[m]} " + ", ".join(f"{b}: {ratio:.2f}" for b, ratio in sorted(pairs))
+                                 for m, pairs in forecasts.items() if pairs))
     return lines
 
 

@@ -256,6 +256,8 @@ class Bench:
             "draft_seconds": draft_meter.seconds,
             "tokens_per_target_forward": new_tokens / max(target_meter.calls, 1),
             "tree_sizes": [step.tree_size for step in stats.steps],
+            "path_length": sum(step.path_length for step in stats.steps),
+            "forecast": sum(step.forecast for step in stats.steps),
             "output": output[0, prompt.shape[1] :].tolist(),
         }
 
