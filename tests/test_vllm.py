@@ -8,29 +8,17 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import benchmark_script
+from vllm_helpers import MAX_TOKENS, PROMPTS, PROPOSER, serve_completions, tiny_pair
 
-PROPOSER = "specexec_hf.integrations.vllm.SpecExecProposer"
-PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
-MAX_TOKENS = 24
 K = 4
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=len(PROMPTS), enforce_eager=True, seed=0)
-SERVER_START_TIMEOUT_S = 240
-REQUEST_TIMEOUT_S = 120
-
-
-def _synthetic_models() -> Any:
-    """benchmarks/synthetic_models.py, which the benchmarks share."""
-    return benchmark_script("synthetic_models")
 
 
 def _specexec_config(draft: Path, budget: int = 16) -> dict[str, Any]:
@@ -99,7 +87,7 @@ def _run_engine(target: Path, speculative_config: dict[str, Any] | None) -> Engi
 
 @pytest.fixture(scope="module")
 def pair(vllm_env, tmp_path_factory):
-    return _synthetic_models().make_tiny_pair(tmp_path_factory.mktemp("tiny"), noise=0.1)
+    return tiny_pair(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -193,37 +181,11 @@ def test_vocabulary_mismatch_fails_engine_start(pair, capfd):
     assert re.search(r"vocabulary \((\d+) logits\) does not match the vLLM target's \(\d+\)", logs.out + logs.err)
 
 
-@dataclass
-class ServerRun:
-    """What one ``vllm serve`` run answered: completion texts per prompt and its speculative-decoding counters."""
-
-    texts: list[str]
-    counters: dict[str, int]
-
-
-def _serve_completions(target: Path, log: Path, extra_args: list[str], extra_env: dict[str, str]) -> ServerRun:
-    """Runs ``vllm serve`` on 127.0.0.1 (the serving benchmark's ``Server``), sends ``PROMPTS`` concurrently, reads
-    its counters, and fails the test unless the server shuts down on SIGTERM."""
-    serving = benchmark_script("vllm_serving")
-    args = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)), "--enforce-eager",
-            *extra_args]  # fmt: skip
-    server = serving.Server(str(target), log, args, {**os.environ, **extra_env}, SERVER_START_TIMEOUT_S)
-    try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(lambda prompt: server.complete(prompt, MAX_TOKENS, REQUEST_TIMEOUT_S), PROMPTS))
-        counters = server.spec_counters()
-    finally:
-        stopped_on_sigterm = server.stop()
-    if not stopped_on_sigterm:
-        pytest.fail(f"vllm serve did not shut down on SIGTERM:\n{serving.log_tail(log)}")
-    return ServerRun([text for text, _, _ in answers], counters)
-
-
 def test_serving_matches_no_speculation_server(pair, tmp_path):
-    plain = _serve_completions(pair.target, tmp_path / "plain.log", [], {})
+    plain = serve_completions(pair.target, tmp_path / "plain.log", [], {})
     # This server takes the draft from the environment, the other documented way to configure it.
     config = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": K}
-    specexec = _serve_completions(
+    specexec = serve_completions(
         pair.target,
         tmp_path / "specexec.log",
         ["--speculative-config", json.dumps(config)],

@@ -6,23 +6,18 @@ Engines take 30-60 s to start here, so each fixture starts one and serves severa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import benchmark_script
+from vllm_helpers import MAX_TOKENS, PROMPTS, PROPOSER, serve_completions, tiny_pair
 
 pytestmark = pytest.mark.slow
 
-PROPOSER = "specexec_hf.integrations.vllm.SpecExecProposer"
-PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
 # Longer than two 32-token blocks, so prefix caching has full blocks to share and prefill is chunked.
 LONG_PROMPT = " ".join(["a token tree grows by best first search over the draft model's guesses"] * 4)
-MAX_TOKENS = 24
 # Room for two budgets of 64 beyond the longest sequence but the edge one: vLLM replaces every proposal with zeros
 # once a request's length plus twice num_speculative_tokens passes max_model_len.
 MAX_MODEL_LEN = 512
@@ -31,18 +26,6 @@ EDGE_ROOM = 40
 SAMPLING = {"temperature": 1.5, "top_k": 12, "top_p": 0.95}
 SAMPLES = 400
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "enforce_eager": True, "seed": 0}
-
-
-def _load(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-def _synthetic_models() -> Any:
-    return benchmark_script("synthetic_models")
 
 
 def _tree_config(draft: Path, budget: int, **settings: Any) -> dict[str, Any]:
@@ -135,7 +118,7 @@ def _run(target: Path, speculative_config: dict[str, Any] | None, **engine_args:
 
 @pytest.fixture(scope="module")
 def pair(vllm_env, tmp_path_factory):
-    return _synthetic_models().make_tiny_pair(tmp_path_factory.mktemp("tiny"), noise=0.1)
+    return tiny_pair(tmp_path_factory)
 
 
 # Small blocks and a small token budget per step: prompts fill whole blocks (prefix caching), long prompts are
@@ -238,11 +221,10 @@ def test_draft_equal_to_target_accepts_deep_paths(self_tree_run, baseline):
 def test_serving_with_tree_verification(pair, tmp_path):
     """`vllm serve` with trees (configured from the environment), several concurrent requests: the texts of a
     server without speculation."""
-    serving = _load("vllm_serving_helpers", Path(__file__).with_name("test_vllm.py"))  # its `vllm serve` runner
-    plain = serving._serve_completions(pair.target, tmp_path / "plain.log", [], {})
+    plain = serve_completions(pair.target, tmp_path / "plain.log", [], {})
     config = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 16}
     environment = {"SPECEXEC_DRAFT_MODEL": str(pair.draft), "SPECEXEC_BUDGET": "16", "SPECEXEC_TREE_VERIFICATION": "1"}
-    trees = serving._serve_completions(
+    trees = serve_completions(
         pair.target, tmp_path / "trees.log", ["--speculative-config", json.dumps(config)], environment
     )
     assert trees.texts == plain.texts
