@@ -81,7 +81,8 @@ def test_host_reads_stay_a_constant_per_draft_forward_and_per_token(budget):
     steps = stats.target_forwards
     # The search reads the device twice per draft forward (which nodes to expand, which children to add) and once
     # when it stops; the walk once per visited node and the stopping criteria once per committed token; the rest is a
-    # constant per step (the history, the tree's host copy, its depth, the cache cut). Nothing per tree level or node.
+    # constant per step (the history, the tree's host copy, its depth, the cache cut, the forecast). Nothing per tree
+    # level or node.
     bound = 2 * (stats.draft_forwards + steps) + 2 * stats.new_tokens + 10 * steps
     assert counter.total <= bound, (counter.total, bound, counter.sites.most_common(12))
 
