@@ -254,6 +254,10 @@ def generate(
 
         step_scores: list[torch.Tensor] = []
         sampled_from: list[torch.Tensor] = []  # when sampling, the distribution of each choice, for the drafter
+        drawn_children: dict[int, list[int]] = {}  # node -> its children's tokens, in the order they were drawn
+        if sampled_children:
+            for parent, token in zip(*tree.host_lists()):  # the host copy the walk reads anyway
+                drawn_children.setdefault(parent, []).append(token)
 
         def choose(node: int) -> int:
             scores = processor(sequence, tree, logits.row(node), [node])
@@ -261,10 +265,9 @@ def generate(
             if not generation_config.do_sample:
                 return int(scores.argmax(dim=-1))
             sampled_from.append(torch.softmax(scores, dim=-1))
-            children = tree.children(node) if sampled_children else None
-            if children is not None and children.numel():
-                draft_probs = drafter.draft_probs(grown, node)
-                return rejection_sample(sampled_from[-1][0], draft_probs, tree.tokens[children], SAMPLED_AFTER)
+            if node in drawn_children:
+                candidates = torch.tensor(drawn_children[node])
+                return rejection_sample(sampled_from[-1][0], drafter.draft_probs(grown, node), candidates, SAMPLED_AFTER)
             return int(torch.multinomial(sampled_from[-1], 1))
 
         acceptance = acceptance_walk(tree, choose)
