@@ -115,7 +115,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         # This tree's expansions, for acceptance_map to learn from and the walk to verify sampled children against;
         # kept on the device until the walk needs a few rows.
         self._expansions: list[_Expansion] = []
-        self._expansion_of: dict[int, tuple[int, int]] | None = None  # pool node -> (expansion, row); None: stale
+        # Per node of the last verified tree, the (expansion, row) that expanded it (None: a leaf); read once per tree.
+        self._tree_rows: tuple[SearchResult, list[tuple[int, int] | None]] | None = None
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
         self.cache = new_cache()
         self.cached_ids: list[int] = []
@@ -160,7 +161,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         self._history = input_ids[0].tolist()
-        self._expansions, self._expansion_of = [], None
+        self._expansions, self._tree_rows = [], None
         self._sync_cache(self._history)
         if self._context is not None:
             self._context.sync(self._history)
@@ -230,7 +231,6 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             top_tokens = torch.cat([top_tokens[:, :SAMPLED_AFTER], drawn], dim=-1)
         drawn_from = logprobs if self.sampled_children else None
         self._expansions.append(_Expansion(nodes, top_tokens, top_logprobs, drawn_from))
-        self._expansion_of = None
         scores = top_logprobs if self.acceptance_map is None else self.acceptance_map(top_logprobs, ranks)
         if self.sampled_children:
             # Kept children must be the fixed ones, then a prefix of the draw: scores may not rise with rank.
@@ -239,22 +239,26 @@ class SpecExecCandidateGenerator(CandidateGenerator):
 
     def draft_probs(self, result: SearchResult, node: int) -> torch.Tensor:
         """``[vocab]`` the draft distribution tree ``node``'s children were drawn from (``sampled_children`` only)."""
-        found = self._expansion_rows().get(int(result.pool_index[node]))
+        found = self._rows_of(result)[node]
         if found is None or self._expansions[found[0]].logprobs is None:
             raise ValueError(f"Tree node {node} has no drawn children in this generator's last search.")
-        expansion, row = found
+        return self._drawn_from(*found)
+
+    def _drawn_from(self, expansion: int, row: int) -> torch.Tensor:
         return torch.softmax(self._expansions[expansion].logprobs[row].double(), dim=-1)
 
-    def _expansion_rows(self) -> dict[int, tuple[int, int]]:
-        """``{pool node: (expansion, row)}`` for the nodes this tree's search expanded (one host read per tree)."""
-        if self._expansion_of is None:
+    def _rows_of(self, result: SearchResult) -> list[tuple[int, int] | None]:
+        """Per node of ``result.tree``, the ``(expansion, row)`` of this tree's search that expanded it, or ``None``
+        (two host reads per tree: the expanded nodes and the tree's pool indices)."""
+        if self._tree_rows is None or self._tree_rows[0] is not result:
             nodes = iter(torch.cat([expansion.nodes for expansion in self._expansions]).tolist())
-            self._expansion_of = {
+            expanded = {
                 next(nodes): (index, row)
                 for index, expansion in enumerate(self._expansions)
                 for row in range(expansion.nodes.numel())
             }
-        return self._expansion_of
+            self._tree_rows = (result, [expanded.get(node) for node in result.pool_index.tolist()])
+        return self._tree_rows[1]
 
     def observe(
         self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
@@ -277,9 +281,8 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             node = children.get((node, choice), -1)
             if node < 0:
                 break
-        pool_nodes = result.pool_index[torch.tensor(visited, device=result.pool_index.device)].tolist()
-        expansion_rows = self._expansion_rows()
-        observed = [(index, expansion_rows[node]) for index, node in enumerate(pool_nodes) if node in expansion_rows]
+        rows = self._rows_of(result)
+        observed = [(index, rows[node]) for index, node in enumerate(visited) if rows[node] is not None]
         if not observed:
             return
         tokens = torch.stack([self._expansions[expansion].tokens[row] for _, (expansion, row) in observed])
@@ -288,9 +291,9 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             # What the map estimates for a drawn candidate: the probability that the rejection chain takes it.
             accepted = torch.stack([
                 taken_probabilities(rejection_chain(
-                    choice_probs[index][0], self.draft_probs(result, visited[index]), row, SAMPLED_AFTER
+                    choice_probs[index][0], self._drawn_from(expansion, row), candidates, SAMPLED_AFTER
                 )[0])
-                for (index, _), row in zip(observed, tokens.cpu())
+                for (index, (expansion, row)), candidates in zip(observed, tokens.cpu())
             ])
         elif choice_probs is None:
             chosen = torch.tensor([choices[index] for index, _ in observed], device=tokens.device)
