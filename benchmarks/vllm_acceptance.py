@@ -238,28 +238,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def save_default_pair(directory: Path) -> tuple[str, str]:
-    """The default target's converted checkpoint, and the shipped draft saved as a standard full-vocabulary one."""
-    import torch
-
-    from specexec_hf import load_default_pair
-    from specexec_hf.models.default_pair import target_cache_dir
-
-    target, draft, tokenizer = load_default_pair()
-    head = draft.get_output_embeddings()
-    if hasattr(head, "token_ids"):  # a subset head: widen it with the target's rows for the other tokens
-        weight = target.get_output_embeddings().weight.detach().clone()
-        weight[head.token_ids] = head.weight.detach()
-        full = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        full.weight = torch.nn.Parameter(weight, requires_grad=False)
-        draft.set_output_embeddings(full)
-        draft.config.tie_word_embeddings = False
-    path = directory / "default_draft"
-    draft.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(target_cache_dir()), str(path)
-
-
 def run_generate(
     args: argparse.Namespace, target_path: str, draft_path: str, budget: int, prompts: list[list[int]]
 ) -> RunResult:
@@ -301,7 +279,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     with tempfile.TemporaryDirectory() as scratch:
         if args.default_pair:
-            target, draft = save_default_pair(Path(scratch))
+            from specexec_hf.models import export_default_pair
+
+            target, draft = map(str, export_default_pair(scratch))
         elif args.target is None:
             pair = make_tiny_pair(Path(scratch), noise=args.noise)
             target, draft = str(pair.target), str(args.draft or pair.draft)

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from synthetic_models import make_tiny_pair
-from vllm_acceptance import save_default_pair, speculative_config
+from vllm_acceptance import speculative_config
 
 PROMPTS = [
     "User: What is a good way to learn to cook at home?\nAssistant:",
@@ -416,7 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         if args.default_pair:
-            target, draft = save_default_pair(Path(scratch))
+            from specexec_hf.models import export_default_pair
+
+            target, draft = map(str, export_default_pair(scratch))
             target_name = "SmolLM2-135M-Instruct (default pair)"
             draft_name = "the shipped draft, its subset head widened to the full vocabulary"
         elif args.target is None:

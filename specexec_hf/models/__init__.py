@@ -2,7 +2,9 @@
 quantized), subset heads."""
 
 from .default_pair import (
+    default_target_dir,
     draft_export_path,
+    export_default_pair,
     load_default_pair,
     load_default_target,
     target_cache_dir,
@@ -21,7 +23,9 @@ __all__ = [
     "GREEDY_TEMPERATURE_KEY",
     "SELF_DRAFTS",
     "SubsetLMHead",
+    "default_target_dir",
     "draft_export_path",
+    "export_default_pair",
     "frequent_tokens",
     "load_default_pair",
     "load_default_target",

