@@ -20,6 +20,12 @@ class StepStats:
             estimated path acceptance probability (with ``acceptance_calibration``, what the acceptance map learnt;
             without it, the draft's path probability). Over many steps, a well-calibrated ranking forecasts about
             ``path_length``; a forecast far below it means the tree trusts the draft too little.
+        near_tied: The step's greedy choices whose top two scores were within rounding of each other
+            (:func:`~specexec_hf.core.precision.greedy_choice`), by index: 0 for the choice at the root (the step's
+            first new token), ``i`` for the one at the ``i``-th accepted node. Such a choice could come out either
+            way in a 16-bit target, between this tree forward and a one-token forward.
+        redecided: With ``strict_ties``, the step decided only its root, alone in its forward, because the step
+            before stopped at a near-tied choice.
     """
 
     tree_size: int
@@ -29,6 +35,8 @@ class StepStats:
     target_seconds: float
     path_length: int = 0
     forecast: float = 0.0
+    near_tied: tuple[int, ...] = ()
+    redecided: bool = False
 
 
 @dataclass
@@ -54,6 +62,10 @@ class SpecExecStats:
         return self.new_tokens / max(self.target_forwards, 1)
 
     @property
+    def mean_tree_size(self) -> float:
+        return sum(step.tree_size for step in self.steps) / max(self.target_forwards, 1)
+
+    @property
     def draft_seconds(self) -> float:
         return sum(step.draft_seconds for step in self.steps)
 
@@ -66,14 +78,36 @@ class SpecExecStats:
         """The trees' forecast accepted tokens over the tokens they actually had accepted (1: calibrated)."""
         return sum(step.forecast for step in self.steps) / max(sum(step.path_length for step in self.steps), 1)
 
+    @property
+    def near_ties(self) -> int:
+        """Walked greedy choices that were near-tied (a choice re-decided under ``strict_ties`` counts twice)."""
+        return sum(len(step.near_tied) for step in self.steps)
+
+    @property
+    def redecided_steps(self) -> int:
+        """Steps that, under ``strict_ties``, decided one near-tied choice alone."""
+        return sum(step.redecided for step in self.steps)
+
     def summary(self) -> dict[str, float]:
         return {
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
             "tokens_per_target_forward": self.tokens_per_target_forward,
-            "mean_tree_size": sum(s.tree_size for s in self.steps) / max(self.target_forwards, 1),
+            "mean_tree_size": self.mean_tree_size,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
             "forecast_ratio": self.forecast_ratio,
+            "near_ties": self.near_ties,
+            "redecided_steps": self.redecided_steps,
         }
+
+    def __repr__(self) -> str:
+        """A summary, not every step (those stay in ``steps``)."""
+        return (
+            f"SpecExecStats(steps={self.target_forwards}, new_tokens={self.new_tokens}, "
+            f"tokens_per_target_forward={self.tokens_per_target_forward:.2f}, draft_forwards={self.draft_forwards}, "
+            f"mean_tree_size={self.mean_tree_size:.1f}, near_ties={self.near_ties}, "
+            f"redecided_steps={self.redecided_steps}, draft_seconds={self.draft_seconds:.3f}, "
+            f"target_seconds={self.target_seconds:.3f})"
+        )
