@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,18 @@ from transformers import (
 )
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def importable(name: str) -> bool:
+    """Whether module ``name`` is installed; ``find_spec("optimum.quanto")`` itself raises when ``optimum`` is not.
+
+    Args:
+        name: A dotted module name.
+    """
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def benchmark_script(name: str) -> ModuleType:

@@ -9,13 +9,12 @@ forward that needs the weights. The ``cuda``-marked tests run the same executor 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import tempfile
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from conftest import ARCHITECTURES, importable, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -213,7 +212,9 @@ def test_ordering_checker_rules():
     device = OrderCheckingDevice()
     slot, host = device.allocate(8), device.pin(8)
     host.fill_(7)
-    done = device.copy(slot, host, after=None)
+    with pytest.raises(OrderingError, match="compute may still read"):  # a fresh allocation too
+        device.copy(slot, host, after=None)
+    done = device.copy(slot, host, after=device.compute_record())
     assert slot.tolist() == [0xFF] * 8  # not run yet: a compute that does not wait reads stale bytes
     device.compute_wait(done)
     assert slot.tolist() == [7] * 8
@@ -222,6 +223,84 @@ def test_ordering_checker_rules():
     device.copy(slot, host, after=device.compute_record())  # a slot-free event recorded after the read: fine
     with pytest.raises(OrderingError, match="not pinned"):
         device.copy(device.allocate(8), torch.zeros(8, dtype=torch.uint8), after=None)
+
+
+def test_the_first_copy_into_a_fresh_slot_waits_for_compute_recorded_after_its_allocation(monkeypatch):
+    """The allocator may hand out memory that queued compute still reads: the first fill is ordered after it."""
+    model = tiny_model("llama", seed=0, num_layers=4)
+    device = OrderCheckingDevice()
+    afters = []
+    copy_on_device = device.copy
+
+    def recorded_copy(target, source, after):
+        afters.append(after)
+        return copy_on_device(target, source, after)
+
+    monkeypatch.setattr(device, "copy", recorded_copy)
+    streamed = streamed_copy(model, layer_map(model, "cpu"), device, None)
+    with torch.no_grad():
+        assert torch.equal(streamed(prompt(0, 3)).logits, model(prompt(0, 3)).logits)
+    assert afters and all(after is not None and after.target is None for after in afters)
+
+
+def test_a_copy_refused_when_issued_fails_the_forward_that_needs_it_and_never_leaves_stale_weights():
+    """A copy that raises when issued (not when it runs) must not leave its slot marked as holding the layer.
+
+    The refused copy is a forward's last, the read-ahead of the next forward's first layer: that forward raises
+    when it needs the layer (the one issuing it completes), and the one after computes right, never with the bytes
+    the slot held before."""
+    model = tiny_model("llama", seed=6, num_layers=4)
+    ids = prompt(2, 4)
+    device = OrderCheckingDevice()
+    streamed = streamed_copy(model, layer_map(model, "cpu"), device, None)
+    outcomes = []
+    with torch.no_grad():
+        reference = model(ids).logits
+        for _ in range(2):
+            issued = device.copies_issued
+            assert torch.equal(streamed(ids).logits, reference)
+        device.refuse_copies.add(device.copies_issued + device.copies_issued - issued)  # none refused before
+        for _ in range(3):
+            try:
+                outcomes.append(torch.equal(streamed(ids).logits, reference))
+            except RuntimeError as error:
+                assert "injected refusal" in str(error)
+                outcomes.append("raised")
+    assert outcomes == [True, "raised", True]
+
+
+@pytest.mark.parametrize("num_layers, prefetch", [(4, 1), (5, 1), (6, 2), (2, 3), (3, 1)])
+def test_read_ahead_bytes_are_the_copies_a_forward_issues_for_the_next_one(num_layers, prefetch, monkeypatch):
+    """What a forward's own copies move is streamed_bytes_per_forward - read_ahead_bytes: the rest it finds loaded."""
+    model = tiny_model("llama", seed=0, num_layers=num_layers)
+    device = OrderCheckingDevice()
+    streamed = streamed_copy(model, layer_map(model, "cpu"), device, None, prefetch)
+    streamer = layer_streamer(streamed)
+    issued = {}  # done event -> (bytes, forward that issued the copy)
+    forward = [0]
+    copy_on_device, wait_on_device = device.copy, device.compute_wait
+    waited_bytes = []  # per forward: bytes of the copies it waited for that it issued itself
+
+    def recorded_copy(target, source, after):
+        event = copy_on_device(target, source, after)
+        issued[id(event)] = (source.numel(), forward[0])
+        return event
+
+    def recorded_wait(event):
+        size, by = issued.pop(id(event), (0, None))
+        if by == forward[0]:
+            waited_bytes[-1] += size
+        wait_on_device(event)
+
+    monkeypatch.setattr(device, "copy", recorded_copy)
+    monkeypatch.setattr(device, "compute_wait", recorded_wait)
+    with torch.no_grad():
+        for index in range(3):
+            forward[0] = index
+            waited_bytes.append(0)
+            streamed(prompt(0, 3))
+    assert waited_bytes[-1] == streamer.streamed_bytes_per_forward - streamer.read_ahead_bytes
+    assert streamer.read_ahead_bytes <= streamer.streamed_bytes_per_forward
 
 
 @pytest.mark.parametrize("failing", ["copy", "disk read"])
@@ -369,6 +448,22 @@ def test_cuda_forward_synchronizes_nothing(monkeypatch):
     layer_streamer(streamed).close()
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_pin_falls_back_to_torchs_pinned_allocator_when_registration_fails(monkeypatch):
+    device = CudaDevice(0)
+    monkeypatch.setattr(torch.cuda.cudart(), "cudaHostRegister", lambda *args: 2)  # cudaErrorMemoryAllocation
+    with pytest.warns(RuntimeWarning, match="cudaHostRegister"):
+        host = device.pin(1000)
+    assert host.is_pinned() and host.numel() == 1000
+    host.fill_(3)
+    slot = device.allocate(1000)
+    device.host_wait(device.copy(slot, host, after=device.compute_record()))
+    assert slot.eq(3).all()
+    device.unpin(host)
+    torch.cuda.synchronize()  # no CUDA error left behind by the failed registration
+
+
 def quantized_pair(folder: str, weights: str):
     """A tiny float32 target saved to ``folder``, and a loader of its quanto-quantized copies (held on the CPU)."""
     from transformers import AutoModelForCausalLM, QuantoConfig
@@ -380,7 +475,7 @@ def quantized_pair(folder: str, weights: str):
     )
 
 
-needs_quanto = pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="needs optimum-quanto")
+needs_quanto = pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
 
 
 @needs_quanto

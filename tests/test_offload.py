@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import os
 import tempfile
 import warnings
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, perturbed_copy, tiny_model
+from conftest import ARCHITECTURES, importable, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -154,7 +153,7 @@ def test_bad_arguments_are_named():
         load_offloaded(model, max_memory={"cpu": 0}, executor="stream", prefetch=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="needs optimum-quanto")
+@pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quanto_quantized_target_equals_its_own_greedy(weights):
     """transformers' quanto integration: SpecExec reproduces the quantized target's greedy output."""

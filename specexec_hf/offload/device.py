@@ -9,6 +9,7 @@ a copy that could overwrite a buffer the compute may still read, or a copy from 
 from __future__ import annotations
 
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class CudaDevice(StreamDevice):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._copy_stream = torch.cuda.Stream(self.device)
+        self._registered: set[int] = set()  # addresses of the buffers pin() registered with cudaHostRegister
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -109,13 +111,26 @@ class CudaDevice(StreamDevice):
 
     def pin(self, nbytes: int) -> torch.Tensor:
         host = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
-        return host
+        if not nbytes:
+            return host
+        with torch.cuda.device(self.device):  # registered for this GPU's context, whichever device is current
+            status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+            if status == 0:
+                self._registered.add(host.data_ptr())
+                return host
+            # Registration can fail where plain allocations cannot be page-locked (some containers, a memlock
+            # limit): torch's pinned allocator then pins a buffer rounded up to a power of two, at twice the RAM
+            # at worst. The failed call's error is cleared so that it is not reported by a later CUDA call.
+            torch.cuda.cudart().cudaGetLastError()
+            warnings.warn(f"cudaHostRegister of {nbytes} bytes failed ({status}): pinning with torch's allocator "
+                          "instead, which rounds the size up to a power of two", RuntimeWarning, stacklevel=2)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def unpin(self, host: torch.Tensor) -> None:
-        if host.numel():
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
+        if host.data_ptr() in self._registered:  # torch's pinned allocator frees its buffers itself
+            self._registered.discard(host.data_ptr())
+            with torch.cuda.device(self.device):
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
         with torch.cuda.device(self.device), torch.cuda.stream(self._copy_stream):  # also from the reader thread
@@ -162,17 +177,25 @@ class OrderCheckingDevice(StreamDevice):
     compute or the host), as a copy stream may run arbitrarily late: a compute that reads a buffer without
     waiting for its copy sees stale weights. Each compute wait "opens" the copied buffer to the compute; a later
     copy into an open buffer must wait for a compute event recorded after that opening, or :class:`OrderingError`
-    is raised. Copies must come from buffers of :meth:`pin`. Thread-safe (a reader thread issues copies too).
+    is raised. A fresh allocation is open too: a caching allocator hands out memory that compute queued before
+    may still use, so the first copy into it must also wait for a compute event recorded after the allocation.
+    Copies must come from buffers of :meth:`pin`. Thread-safe (a reader thread issues copies too).
 
     Args:
         fail_copies: Numbers (1-based, in issue order) of copies that fail when they run, to test error paths.
+        refuse_copies: Numbers (1-based, counting every call of :meth:`copy`) of copies refused when issued, as
+            an enqueue error of CUDA would be: :meth:`copy` raises ``RuntimeError`` and queues nothing.
     """
 
     device = torch.device("cpu")
     alignment = CUDA_ALLOCATION_ALIGNMENT
 
-    def __init__(self, fail_copies: set[int] | frozenset[int] = frozenset()):
+    def __init__(
+        self, fail_copies: set[int] | frozenset[int] = frozenset(), refuse_copies: set[int] | frozenset[int] = frozenset()
+    ):
         self._fail_copies = set(fail_copies)
+        self.refuse_copies = set(refuse_copies)  # may be changed between forwards
+        self._copy_calls = 0
         self._lock = threading.RLock()
         self._queue: deque[tuple[_FakeEvent, torch.Tensor, torch.Tensor, int]] = deque()
         self._open: dict[int, int] = {}  # buffer address -> compute clock at which the compute started reading it
@@ -185,7 +208,10 @@ class OrderCheckingDevice(StreamDevice):
     def allocate(self, nbytes: int) -> torch.Tensor:
         padded = torch.full((nbytes + self.alignment,), 0xFF, dtype=torch.uint8)  # NaN-like bytes until copied
         start = -padded.data_ptr() % self.alignment  # aligned as CUDA's allocator aligns
-        return padded[start : start + nbytes]
+        buffer = padded[start : start + nbytes]
+        with self._lock:
+            self._open[buffer.data_ptr()] = self._clock  # compute issued so far may still use this memory
+        return buffer
 
     def pin(self, nbytes: int) -> torch.Tensor:
         host = torch.empty(nbytes, dtype=torch.uint8)
@@ -200,6 +226,9 @@ class OrderCheckingDevice(StreamDevice):
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, after: _FakeEvent | None) -> _FakeEvent:
         with self._lock:
+            self._copy_calls += 1
+            if self._copy_calls in self.refuse_copies:
+                raise RuntimeError(f"injected refusal of copy call {self._copy_calls}")
             if not self._is_pinned(source):
                 raise OrderingError("copy from host memory that is not pinned: it could not run asynchronously")
             opened = self._open.pop(target.data_ptr(), None)

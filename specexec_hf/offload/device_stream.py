@@ -39,7 +39,9 @@ class _DeviceSlot(_Slot):
     """A ring slot on the device; ``filled`` resolves to the done event of the copy into it.
 
     Args:
-        opened: Whether the compute may have read the slot since ``free`` was recorded.
+        opened: Whether the compute may have read the slot since ``free`` was recorded. True at allocation: the
+            caching allocator may hand out memory that compute queued before still reads, so the first copy into
+            a fresh slot waits for a compute event recorded after the allocation, as every later one does.
         free: A slot-free event, recorded on the compute queue after the compute last read the slot: every copy
             into the slot waits for it (``None`` before the first read).
         staging: The pinned buffer disk-placed layers of this slot are read into, or ``None``.
@@ -47,7 +49,7 @@ class _DeviceSlot(_Slot):
     """
 
     filled: Future = field(default_factory=lambda: _resolved(None))
-    opened: bool = False
+    opened: bool = True
     free: Any = None
     staging: torch.Tensor | None = None
     staged: Any = None
@@ -162,6 +164,15 @@ class DeviceLayerStreamer(LayerStreamer):
         return streamer
 
     @property
+    def read_ahead_bytes(self) -> int:
+        """Bytes a forward finds loaded already: its first ``prefetch`` layers, whose copies the previous forward
+        issued at its end (in generation they land while the draft grows its tree). A forward's own copies move
+        ``streamed_bytes_per_forward - read_ahead_bytes`` before its last layer computes."""
+        shared = _slot_members(self._slot_of)
+        first = range(min(self._prefetch, len(self._units)))
+        return sum(self._unit_bytes[position] for position in first if len(shared[self._slot_of[position]]) > 1)
+
+    @property
     def host_bytes(self) -> int:
         """Pinned host memory: the layers placed in RAM, and the staging buffers of those placed on disk."""
         staging = sum(slot.staging.numel() for slot in self._slots if slot.staging is not None)
@@ -178,6 +189,18 @@ class DeviceLayerStreamer(LayerStreamer):
         self._release_pinned()
 
     def _fill(self, position: int, slot: _DeviceSlot) -> Future:
+        try:
+            return self._issue_fill(position, slot)
+        except Exception as error:
+            # Refused when issued (a CUDA enqueue error, say): the slot is already marked as holding ``position``,
+            # so the failure must travel in ``filled`` for the forward that needs the layer to raise it and reset
+            # the slot; raised here, the next forward would compute with the bytes of the slot's previous layer.
+            failed: Future = Future()
+            failed.set_exception(error)
+            return failed
+
+    def _issue_fill(self, position: int, slot: _DeviceSlot) -> Future:
+        """Queues the copy of layer ``position`` into ``slot``, behind the compute that last read the slot."""
         host = self._hosts[position]
         if slot.opened:
             slot.free, slot.opened = self._device.compute_record(), False
