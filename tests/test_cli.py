@@ -117,7 +117,8 @@ def test_offloaded_target_is_not_loaded_in_memory_for_a_draft_directory(pair, mo
     target, draft, _, info = load_models(args)
     assert loaded == ["--draft"]
     assert {where for name, where in target.hf_device_map.items() if ".layers." in name} == {"disk"}
-    assert info["target"]["offload"] == "stream" and draft.device.type == "cpu"
+    assert info["target"]["offload"] == "stream" and info["target"]["max_memory"] == {"cpu": 0}
+    assert draft.device.type == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -162,15 +163,23 @@ def test_bad_memory_budget_entries_are_refused_with_the_format(entry, capsys):
 
 def documented_commands() -> list[tuple[str, str, bool]]:
     """Every command line of `specexec-hf` (or `benchmarks/run.py`, its `bench`) with options in README.md and
-    docs/*.md, as ``(file, command, complete)``: code-block lines (backslash continuations joined) are complete
-    commands, inline code spans may be fragments that leave out required options."""
+    docs/*.md, as ``(file, command, complete)``: code-block lines (backslash continuations joined, shell variables
+    set in the block expanded) are complete commands, inline code spans may be fragments that leave out required
+    options."""
     command = re.compile(r"^(\S*/)?(specexec-hf [a-z]+|python benchmarks/run\.py) -")
     fence = re.compile(r"```[^\n]*\n(.*?)```", flags=re.S)
     found = []
     for path in [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]:
         text = path.read_text()
-        lines = [line.strip() for block in fence.findall(text) for line in block.replace("\\\n", " ").splitlines()]
-        found += [(path.name, line, True) for line in lines if command.match(line)]
+        for block in fence.findall(text):
+            variables = {}  # a block's `D="specexec-hf distill ..."` lines, used as `$D --stage ...`
+            for line in block.replace("\\\n", " ").splitlines():
+                assignment = re.fullmatch(r'(\w+)="(.*)"', line.strip())
+                if assignment:
+                    variables[assignment[1]] = assignment[2]
+                line = re.sub(r"^\$(\w+)", lambda name: variables.get(name[1], name[0]), line.strip())
+                if command.match(line):
+                    found.append((path.name, line, True))
         found += [(path.name, span, False) for span in re.findall(r"`([^`\n]+)`", fence.sub("", text))
                   if command.match(span)]  # fmt: skip
     return found

@@ -472,7 +472,7 @@ def load_models(
                          "--offload accelerate).")
     draft_name = (args.draft or ("default" if args.target is None else None)) if with_draft else None
     if with_draft and draft_name is None:
-        raise SystemExit(f"--target needs --draft: {DRAFT_KINDS_HELP}.")
+        raise SystemExit(f"--target needs --draft: {DRAFT_KINDS_HELP}. (`generate --no-specexec` needs none.)")
     if draft_name == "default" and args.target is not None:
         raise SystemExit(f"--draft default was distilled for the default target ({DEFAULT_TARGET_NAME}); with "
                          f"--target give a draft for that target: {DRAFT_KINDS_HELP}.")
@@ -486,14 +486,15 @@ def load_models(
         else:
             target, tokenizer = _pretrained(args.target, "--target"), AutoTokenizer.from_pretrained(args.target)
     draft, draft_info = (None, {}) if draft_name is None else _load_draft(draft_name, target)
+    max_memory = None
     if args.offload is not None:
         path = args.target or models.default_target_dir()
-        target = load_offloaded(path, max_memory=dict(args.max_memory or [("cpu", 0)]),
-                                offload_folder=args.offload_folder, executor=args.offload)
+        max_memory = dict(args.max_memory or [("cpu", 0)])
+        target = load_offloaded(path, max_memory=max_memory, offload_folder=args.offload_folder, executor=args.offload)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     info = {
         "target": {"name": args.target or DEFAULT_TARGET_NAME, "parameters": _parameters(target),
-                   "offload": args.offload, "max_memory": dict(args.max_memory or []) or None},
+                   "offload": args.offload, "max_memory": max_memory},
         "draft": {**draft_info, "parameters": _parameters(draft) if draft is not None else 0},
     }
     if draft is not None:
