@@ -25,6 +25,7 @@ from .hf import (
 )
 from .models import load_default_pair, load_default_target
 from .offload import LayerStreamer, layer_streamer, load_offloaded
+from .offload.placement import stream
 
 __version__ = "0.1.0"
 
@@ -63,4 +64,5 @@ __all__ = [
     "load_default_pair",
     "load_default_target",
     "load_offloaded",
+    "stream",
 ]

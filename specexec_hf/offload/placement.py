@@ -3,16 +3,21 @@
 ``load_offloaded`` places a target under a memory budget with accelerate (``infer_auto_device_map``) and runs it
 with one of two executors:
 
-- ``"accelerate"``: accelerate's own hooks (``dispatch_model``), which load every offloaded weight tensor by
-  tensor at the start of each module's forward and drop it afterwards, with no read-ahead.
-- ``"stream"``: a :class:`LayerStreamer` that keeps a small ring of buffers allocated once and, on a background
-  thread, copies the next offloaded module's weights from memory-mapped files (the safetensors checkpoint, or
-  accelerate's ``.dat`` offload files) into the ring while the current module computes. It reads the same bytes
+- ``"stream"`` (the default wherever it applies): a :class:`LayerStreamer` that keeps a small ring of buffers
+  allocated once and, on background threads, reads the next offloaded module's weights from the weight files
+  (the safetensors checkpoint, or the ``.dat`` offload files) straight into the ring with ``O_DIRECT``
+  (:mod:`.direct_io`) while the current module computes. It reads the same bytes
   as ``from_pretrained``, converts dtypes the same way and reproduces the memory alignment the weights would
   have in memory, so outputs are bit for bit those of the in-memory model. When ``max_memory`` names a GPU, it
   is a :class:`~.device_stream.DeviceLayerStreamer` instead: units that fit the GPU budget stay resident, the
   others are copied from exact-size pinned host buffers (or, from disk, through pinned staging) into a fixed ring
   on the GPU on a copy stream ordered by CUDA events (:func:`stream_on_device`).
+- ``"accelerate"``: accelerate's own hooks (``dispatch_model``), which load every offloaded weight tensor by
+  tensor at the start of each module's forward and drop it afterwards, with no read-ahead (several times
+  slower); the default only where the streaming executor does not apply (modules spread over several GPUs).
+
+A model dispatched by ``from_pretrained(..., device_map=..., offload_folder=...)`` gets the streaming executor
+from :func:`stream`.
 
 Both executors place modules at the granularity of "weight units": decoder layers (the model's
 ``_no_split_modules``) and the other modules that own parameters directly (embeddings, final norm, LM head).
@@ -21,7 +26,10 @@ Modules without parameters (rotary embeddings) always stay on the execution devi
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 from collections.abc import Mapping
 
 import torch
@@ -31,17 +39,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..hf.compat import use_sdpa_attention
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
-from .stream import LayerStreamer
+from .stream import LayerStreamer, layer_streamer
 
 EXECUTORS = ("accelerate", "stream")
 DISK = "disk"
+_PAGE = 4096  # the unit a filesystem allocates, for the free-space check before offloading
 
 
 def load_offloaded(
     path_or_model: str | os.PathLike | PreTrainedModel,
     max_memory: Mapping[int | str, int | str] | None = None,
     offload_folder: str | os.PathLike | None = None,
-    executor: str = "accelerate",
+    executor: str | None = None,
     dtype: torch.dtype | None = None,
     prefetch: int = 1,
 ) -> PreTrainedModel:
@@ -54,9 +63,10 @@ def load_offloaded(
             ``{"cpu": 0}`` puts every weight on disk. ``None`` lets accelerate use all available memory.
         offload_folder: Where weights placed on disk are written. Needed for a model in memory; a safetensors
             checkpoint is read in place, so there it is only needed for ``.bin`` checkpoints.
-        executor: ``"accelerate"`` (accelerate's hooks) or ``"stream"``: :class:`LayerStreamer` when everything is
-            on the CPU or disk; with a GPU in ``max_memory``, :class:`~.device_stream.DeviceLayerStreamer`, which
-            keeps the units that fit the GPU budget resident and streams the others through a ring on the GPU.
+        executor: ``"stream"``: :class:`LayerStreamer` when everything is on the CPU or disk; with a GPU in
+            ``max_memory``, :class:`~.device_stream.DeviceLayerStreamer`, which keeps the units that fit the GPU
+            budget resident and streams the others through a ring on the GPU. ``"accelerate"``: accelerate's
+            hooks. ``None`` (default): ``"stream"``, unless ``max_memory`` spreads modules over several GPUs.
         dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
         prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing.
 
@@ -69,14 +79,18 @@ def load_offloaded(
         ValueError: An unknown ``executor``, a ``prefetch`` below 1, a model in memory that needs disk space
             but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU.
         RuntimeError: ``executor="stream"`` with a GPU in ``max_memory`` and no CUDA available to torch.
+        OSError: The offload folder has no room for the weights placed on disk (``ENOSPC``), checked before
+            writing, and while writing.
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)}.")
+    if executor is not None and executor not in EXECUTORS:
+        raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)} (or None, the default).")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
         raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}.")
     skeleton = _skeleton(path_or_model, dtype)
     device_map = offload_device_map(skeleton, max_memory, dtype)
     execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
+    if executor is None:
+        executor = "accelerate" if len(execution_devices) > 1 else "stream"
     if executor == "stream" and execution_devices:
         if len(execution_devices) > 1:
             raise ValueError(
@@ -241,7 +255,7 @@ def _dispatch_in_memory_model(
 ) -> PreTrainedModel:
     """Writes the disk-placed weights to ``offload_folder`` and dispatches ``model`` with accelerate's hooks."""
     from accelerate import dispatch_model
-    from accelerate.utils import extract_submodules_state_dict, offload_state_dict
+    from accelerate.utils import extract_submodules_state_dict
 
     if dtype is not None:
         model.to(dtype)
@@ -259,12 +273,111 @@ def _dispatch_in_memory_model(
                 "<directory> to write their weights to."
             )
         # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
-        offload_state_dict(str(offload_folder), extract_submodules_state_dict(model.state_dict(), disk_units))
+        write_offload_folder(offload_folder, extract_submodules_state_dict(model.state_dict(), disk_units))
     return dispatch_model(
         use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
     )
 
 
+def write_offload_folder(folder: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Writes weights to ``folder`` in accelerate's offload format: one raw ``<name>.dat`` file each, ``index.json``.
+
+    Each file starts at offset 0, so direct reads of it need no realignment. The free space is checked before the
+    first byte is written, and the files are written with plain writes (accelerate maps them, so a disk filling up
+    meanwhile kills the process with ``SIGBUS`` instead of raising an error).
+
+    Args:
+        folder: The offload folder (created if missing). An ``index.json`` already there is extended.
+        state_dict: The weights by name.
+
+    Raises:
+        OSError: ``ENOSPC``, before writing when the folder's filesystem lacks the room, or while writing when it
+            fills up meanwhile; the message names the folder, the bytes needed and the fix.
+    """
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    needed = sum(-(-tensor.nbytes // _PAGE) * _PAGE for tensor in state_dict.values())
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise OSError(errno.ENOSPC, _no_room(folder, needed, free))
+    index_path = os.path.join(folder, "index.json")
+    index = {}
+    if os.path.isfile(index_path):
+        with open(index_path) as handle:
+            index = json.load(handle)
+    try:
+        for name, tensor in state_dict.items():
+            stored = tensor.detach().cpu().contiguous()
+            dtype = str(stored.dtype).removeprefix("torch.")
+            if stored.dtype == torch.bfloat16:  # numpy has no bfloat16: accelerate stores its bits as int16
+                stored = stored.view(torch.int16)
+            _write_tensor_file(os.path.join(folder, f"{name}.dat"), stored.reshape(-1))
+            index[name] = {"dtype": dtype, "shape": list(tensor.shape)}
+        with open(index_path, "w") as handle:
+            json.dump(index, handle, indent=2)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, _no_room(folder, needed, shutil.disk_usage(folder).free)) from error
+
+
+def _no_room(folder: str, needed: int, free: int) -> str:
+    return (
+        f"No space left in the offload folder {folder}: the weights placed on disk need {needed / 2**20:.1f} MiB, "
+        f"the filesystem has {free / 2**20:.1f} MiB free. Free some space, choose an offload_folder on a larger "
+        "disk, or raise max_memory['cpu'] so that less goes to disk."
+    )
+
+
+def _write_tensor_file(path: str, flat: torch.Tensor) -> None:
+    """Writes a contiguous 1-d tensor's bytes to ``path``."""
+    with open(path, "wb") as handle:
+        handle.write(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def stream(model: PreTrainedModel, prefetch: int = 1) -> PreTrainedModel:
+    """Runs a model that accelerate offloaded to disk on the streaming executor instead of accelerate's hooks.
+
+    For a model loaded with ``from_pretrained(..., device_map=..., offload_folder=...)`` (or dispatched with
+    ``dispatch_model``) on the CPU and disk: the same placement, with the disk-placed modules read ahead into a
+    ring of buffers by direct reads (:class:`LayerStreamer`), several times faster per forward, with the same
+    outputs. ``load_offloaded`` does this by default.
+
+    Args:
+        model: The dispatched model; changed in place.
+        prefetch: Modules read ahead of the one computing.
+
+    Returns:
+        ``model``, in eval mode.
+
+    Raises:
+        ValueError: ``model`` was not dispatched by accelerate, or places modules on a GPU (use
+            ``load_offloaded(path, max_memory={0: ..., "cpu": ...})``, which streams to a GPU).
+    """
+    device_map = getattr(model, "hf_device_map", None)
+    if layer_streamer(model) is not None:
+        return model.eval()
+    if not device_map:
+        raise ValueError(
+            "specexec_hf.stream(model) takes a model dispatched by accelerate (from_pretrained with device_map=... and "
+            "offload_folder=...); this one has no hf_device_map. For a model in memory, use specexec_hf.load_offloaded("
+            "model, max_memory=..., offload_folder=...)."
+        )
+    accelerators = sorted({str(where) for where in device_map.values() if not _is_cpu_or_disk(where)})
+    if accelerators:
+        raise ValueError(
+            f"specexec_hf.stream(model) streams models placed on the CPU and disk; this one has modules on "
+            f"{accelerators}. Load it with specexec_hf.load_offloaded(path, max_memory={{0: ..., 'cpu': ...}}), which "
+            "streams to a GPU."
+        )
+    disk_units = [name for name in weight_units(model) if _has_meta_parameter(model.get_submodule(name))]
+    LayerStreamer.install(model, disk_units, prefetch)
+    return model.eval()
+
+
+def _has_meta_parameter(module: nn.Module) -> bool:
+    """Whether accelerate offloaded (part of) ``module``: its offloaded parameters are left on the meta device."""
+    return any(parameter.is_meta for parameter in module.parameters())
 
 
 def _holds_tensor_subclass(module: nn.Module) -> bool:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
-import mmap
 import os
-import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,20 +14,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .direct_io import BLOCK, DirectReader, ReadPlan, Span, WeightFile, WeightFileError, aligned_empty, plan_reads, round_up
+
 # Allocation alignment of torch's CPU allocator, which ring-buffer views reproduce (see _plan_runs).
 _ALIGNMENT = 64
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# Alignment of the CPU ring's runs: the file offset modulo a block, so that direct reads land in place.
+_RING_ALIGNMENT = BLOCK
 
 
 def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
@@ -38,44 +27,11 @@ def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
     return getattr(model, "_specexec_layer_streamer", None)
 
 
-class _MappedFile:
-    """A weight file mapped once for the streamer's lifetime.
-
-    The mapping is private (copy-on-write, never written) so that ``torch.frombuffer`` accepts it without a
-    copy. Its pages are clean page cache, which the kernel drops whenever memory is short and reads again from
-    disk on the next access; they are not unmapped after each read (``madvise(MADV_DONTNEED)``) because the
-    page faults of re-mapping them made a forward about 25% slower.
-
-    Args:
-        path: The file.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as handle:
-            self.mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._safetensors_header: dict[str, Any] | None = None
-        self._data_start = 0
-
-    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero-copy tensor over the file, ``offset`` bytes in."""
-        return torch.frombuffer(self.mapping, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
-
-    def safetensors_entry(self, name: str) -> tuple[int, torch.dtype, tuple[int, ...]]:
-        """``(byte offset, dtype, shape)`` of tensor ``name``, this being a safetensors file."""
-        if self._safetensors_header is None:
-            (header_length,) = struct.unpack("<Q", self.mapping[:8])
-            self._safetensors_header = json.loads(self.mapping[8 : 8 + header_length])
-            self._data_start = 8 + header_length
-        entry = self._safetensors_header[name]
-        return self._data_start + entry["data_offsets"][0], _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
-
-
 @dataclass
 class _StoredWeight:
     """A tensor as stored in a weight file."""
 
-    file: _MappedFile
+    file: WeightFile
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -177,7 +133,7 @@ class _Run:
         members: ``(parameter, byte offset in the ring buffer)`` of each parameter in the run.
     """
 
-    file: _MappedFile
+    file: WeightFile
     file_start: int
     file_end: int
     buffer_start: int
@@ -214,37 +170,44 @@ class _Slot:
 
 
 class LayerStreamer:
-    """Runs disk-offloaded modules out of a ring of reused buffers, reading the next ones ahead on a thread.
+    """Runs disk-offloaded modules out of a ring of reused buffers, reading the next ones ahead on threads.
 
     Each streamed unit always computes out of the same ring buffer (:func:`_ring_slots`): its parameters are views
     of that buffer, bound once, so a forward allocates nothing. Before unit ``i`` runs, the streamer waits for its
     weights and queues the reads of the next ``prefetch`` units (wrapping around to the next forward's first
-    units), which the reader thread performs while unit ``i`` computes. A unit called out of order is read on
-    the spot, so the order affects speed only, never results.
+    units), which a :class:`~.direct_io.DirectReader` performs while unit ``i`` computes: ``O_DIRECT`` reads from
+    the weight files straight into the ring buffer, several in flight, bypassing the page cache (through it where
+    the filesystem refuses direct reads). A unit called out of order is read on the spot, so the order affects
+    speed only, never results. Each read checks that the files kept the size and modification time they had at
+    install, so a weight file truncated or rewritten under a running model raises
+    :class:`~.direct_io.WeightFileError` in the forward that needs it rather than feeding it other bytes.
 
     Use :meth:`install`; :func:`layer_streamer` finds a model's streamer. :class:`~.device_stream.DeviceLayerStreamer`
     runs the same ring on an accelerator.
 
     Embedding tables are not streamed: a lookup needs only the rows of the tokens fed, so an embedding computes
-    straight from the memory-mapped file, which reads just those rows' pages (bit-identical: it is a gather).
+    straight from the memory-mapped file, which reads just those rows' pages (bit-identical: it is a gather); each
+    lookup first checks the file's size, as a mapping past a truncated file's end would crash the process.
 
     Args:
         unit_names: The streamed units' module names, in execution order.
-        units: ``(module, copies)`` per streamed unit.
+        units: ``(module, read plan)`` per streamed unit (the plan of the reads that fill its ring buffer).
         slots: The ring buffers.
         slot_of: The ring buffer of each unit, from :func:`_ring_slots`.
         unit_bytes: The bytes each unit's read moves, in execution order.
         prefetch: Units read ahead of the one computing.
+        reader: Performs the read plans; a new :class:`~.direct_io.DirectReader` when ``None``.
     """
 
     def __init__(
         self,
         unit_names: list[str],
-        units: list[tuple[nn.Module, list[_Copy]]],
+        units: list[tuple[nn.Module, ReadPlan | list[_Copy]]],
         slots: list[_Slot],
         slot_of: list[int],
         unit_bytes: list[int],
         prefetch: int,
+        reader: DirectReader | None = None,
     ):
         self.unit_names = unit_names
         self._units = units
@@ -253,6 +216,7 @@ class LayerStreamer:
         self._unit_bytes = unit_bytes
         self._prefetch = prefetch
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specexec-layer-streamer")
+        self._direct_reader = reader or DirectReader()
         self._closed = False
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
         for position, (module, _) in enumerate(units):
@@ -277,22 +241,22 @@ class LayerStreamer:
         streamed = []
         for name in unit_names:
             if _reads_rows_on_demand(model.get_submodule(name), parameters[name]):
-                _bind_to_file(parameters[name])
+                _bind_to_file(model.get_submodule(name), parameters[name])
             else:
                 streamed.append(name)
         if not streamed:
             return None
-        plans = [_plan_runs(parameters[name]) for name in streamed]
+        plans = [_plan_runs(parameters[name], _RING_ALIGNMENT, padded=True) for name in streamed]
         slot_of = _ring_slots(len(streamed), prefetch)
         slots = [
-            _Slot(torch.empty(max(plans[position][0] for position in members), dtype=torch.uint8))
+            _Slot(aligned_empty(round_up(max(plans[position][0] for position in members), BLOCK)))
             for members in _slot_members(slot_of)
         ]
         units = []
         for position, (name, (_, runs)) in enumerate(zip(streamed, plans)):
             buffer = slots[slot_of[position]].buffer
             _bind_views(runs, buffer)
-            units.append((model.get_submodule(name), _copies(runs, buffer)))
+            units.append((model.get_submodule(name), plan_reads(_spans(runs, buffer))))
         streamer = cls(streamed, units, slots, slot_of, [size for size, _ in plans], prefetch)
         model._specexec_layer_streamer = streamer
         return streamer
@@ -318,9 +282,10 @@ class LayerStreamer:
             self._await_on_host(slot)
 
     def close(self) -> None:
-        """Stops the reader thread; a later forward that needs to read weights raises ``RuntimeError``."""
+        """Stops the reader threads; a later forward that needs to read weights raises ``RuntimeError``."""
         self._closed = True
         self._reader.shutdown(wait=True)
+        self._direct_reader.close()
 
     def _before_unit(self, position: int, module: nn.Module, args: tuple) -> None:
         current = self._request(position)
@@ -347,7 +312,7 @@ class LayerStreamer:
 
     def _fill(self, position: int, slot: _Slot) -> Future:
         """Starts filling ``slot`` with unit ``position``'s weights."""
-        return self._reader.submit(self._read, position)
+        return self._direct_reader.submit(self._units[position][1])
 
     def _await(self, slot: _Slot) -> None:
         """Makes the compute that follows see ``slot``'s weights."""
@@ -357,11 +322,6 @@ class LayerStreamer:
         """Blocks the calling thread until ``slot``'s fill has landed."""
         if slot.position is not None:
             slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
-
-    def _read(self, position: int) -> None:
-        """Copies unit ``position``'s weights into its slot (on the reader thread; torch copies release the GIL)."""
-        for copy in self._units[position][1]:
-            copy.target.copy_(copy.source)
 
 
 def _ring_slots(count: int, prefetch: int) -> list[int]:
@@ -431,13 +391,13 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
     return locate
 
 
-def _stored_weight(names: list[str], locate: Locator, files: dict[str, _MappedFile]) -> _StoredWeight:
-    """Where a parameter known under ``names`` is stored; maps its file on first use.
+def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFile]) -> _StoredWeight:
+    """Where a parameter known under ``names`` is stored; opens its file on first use.
 
     Args:
         names: Every name of the parameter (tied weights are indexed under one of them only).
         locate: From :func:`_offloaded_weight_locator`.
-        files: Files mapped so far, by path.
+        files: Files opened so far, by path.
     """
     for name in names:
         try:
@@ -445,11 +405,17 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, _MappedFi
         except KeyError:
             continue
         if path not in files:
-            files[path] = _MappedFile(path)
+            files[path] = WeightFile(path)
         if safetensors_name is not None:
             return _StoredWeight(files[path], *files[path].safetensors_entry(safetensors_name))
         # accelerate's .dat files are raw arrays (bfloat16 stored as int16 bytes, 0-d tensors as 1-d).
-        return _StoredWeight(files[path], 0, getattr(torch, info["dtype"]), tuple(info["shape"]) or (1,))
+        stored = _StoredWeight(files[path], 0, getattr(torch, info["dtype"]), tuple(info["shape"]) or (1,))
+        if stored.nbytes > files[path].size:
+            raise WeightFileError(
+                f"{path} is truncated: {files[path].size} bytes, where accelerate's offload index records "
+                f"{stored.nbytes} for {name!r}. Offload the model again."
+            )
+        return stored
     raise KeyError(f"No offloaded copy of parameter {names[0]!r} was found in accelerate's offload index.")
 
 
@@ -462,7 +428,7 @@ def _unit_parameters(
     """Each streamed unit's parameters with where their weights are stored, in file (or registration) order.
 
     Removes accelerate's hooks, leaving disk-offloaded weights on the meta device, whose stored copies are found
-    through accelerate's offload index (files are mapped on first use); other weights are held in memory. A
+    through accelerate's offload index (files are opened on first use); other weights are held in memory. A
     tensor-subclass parameter held in memory (a quantized weight) is taken apart into its plain inner tensors.
 
     Args:
@@ -474,7 +440,7 @@ def _unit_parameters(
     """
     locate = _offloaded_weight_locator(model)
     _detach_accelerate_hooks(model)
-    files: dict[str, _MappedFile] = {}
+    files: dict[str, WeightFile] = {}
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
@@ -501,6 +467,11 @@ def _unit_parameters(
                 unit.extend(_flattened(owner, attribute, execution_form(parameter.detach())))
             elif parameter.is_meta:
                 stored = _stored_weight(aliases[id(parameter)], locate, files)
+                if math.prod(stored.shape) != parameter.numel():
+                    raise WeightFileError(
+                        f"{stored.file.path} stores {unit_name}.{local_name} with shape {list(stored.shape)}, but the "
+                        f"model expects {list(parameter.shape)}: the file does not belong to this model's config."
+                    )
                 unit.append(_OffloadedParameter(owner, attribute, parameter, stored))
             else:
                 unit.append(_OffloadedParameter(owner, attribute, parameter, _HeldWeight(parameter.detach())))
@@ -540,15 +511,26 @@ def _reads_rows_on_demand(module: nn.Module, parameters: list[_OffloadedParamete
     return isinstance(module, nn.Embedding) and all(p.stored.dtype == p.meta.dtype for p in parameters)
 
 
-def _bind_to_file(parameters: list[_OffloadedParameter]) -> None:
-    """Replaces meta parameters by zero-copy views of their files, read page by page as the forward touches them."""
+def _bind_to_file(module: nn.Module, parameters: list[_OffloadedParameter]) -> None:
+    """Replaces meta parameters by zero-copy views of their files, read page by page as the forward touches them.
+
+    Touching a mapped page past the end of a file truncated meanwhile would kill the process (``SIGBUS``), so
+    ``module`` first checks its files, at the cost of one ``fstat`` each per call.
+    """
     for parameter in parameters:
         view = parameter.stored.tensor().view(parameter.meta.shape)
         setattr(parameter.owner, parameter.attribute, nn.Parameter(view, requires_grad=False))
+    files = list({id(parameter.stored.file): parameter.stored.file for parameter in parameters}.values())
+
+    def check_files(module: nn.Module, args: tuple) -> None:
+        for file in files:
+            file.check_unchanged()
+
+    module.register_forward_pre_hook(check_files)
 
 
 def _plan_runs(
-    parameters: list[_OffloadedParameter], alignment: int = _ALIGNMENT, each_fresh: bool = False
+    parameters: list[_OffloadedParameter], alignment: int = _ALIGNMENT, each_fresh: bool = False, padded: bool = False
 ) -> tuple[int, list[_Run]]:
     """Groups a unit's parameters (in file order) into runs; returns the ring-buffer bytes needed and the runs.
 
@@ -562,6 +544,8 @@ def _plan_runs(
         alignment: The allocation alignment of the in-memory model's tensors on the execution device.
         each_fresh: Place every parameter as a fresh allocation (an accelerator's in-memory model copies each
             weight into its own allocation), with a typed copy of its own.
+        padded: Start every run in an ``alignment`` block of its own, so that a direct read of the blocks around
+            a raw run (:func:`~.direct_io.plan_reads`) lands in place without touching another run.
     """
     runs: list[_Run] = []
     size = 0
@@ -572,7 +556,8 @@ def _plan_runs(
             run.file_end += stored.nbytes
         else:
             typed = each_fresh or stored.dtype != parameter.meta.dtype
-            start = _next_offset(size, 0 if typed else stored.offset % alignment, alignment)
+            free = _next_offset(size, 0, alignment) if padded else size
+            start = _next_offset(free, 0 if typed else stored.offset % alignment, alignment)
             converts_to = parameter.meta.dtype if typed else None
             run = _Run(stored.file, stored.offset, stored.offset + stored.nbytes, start, converts_to)
             runs.append(run)
@@ -615,6 +600,21 @@ def _bind_views(runs: list[_Run], buffer: torch.Tensor) -> None:
     for parameter in composites.values():
         rebuilt = parameter.composite.rebuild(views)
         setattr(parameter.owner, parameter.attribute, nn.Parameter(rebuilt, requires_grad=False))
+
+
+def _spans(runs: list[_Run], buffer: torch.Tensor) -> list[Span]:
+    """The file spans that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights, for direct reads."""
+    spans = []
+    for run in runs:
+        if run.converts_to is None:
+            target = buffer[run.buffer_start : run.buffer_start + run.file_end - run.file_start]
+            spans.append(Span(run.file, run.file_start, run.file_end, target))
+        else:
+            for parameter, offset in run.members:
+                stored = parameter.stored
+                target = _member_view(buffer, parameter, offset)
+                spans.append(Span(stored.file, stored.offset, stored.offset + stored.nbytes, target, stored.dtype))
+    return spans
 
 
 def _copies(runs: list[_Run], buffer: torch.Tensor) -> list[_Copy]:

@@ -1,0 +1,382 @@
+"""Cold reads of a safetensors file, layer by layer, into buffers the caller owns: published loaders against a pool.
+
+The disk tier of the streaming executor needs one thing from a loader: a decoder layer's byte ranges, read from a
+cold file (not in the page cache) into a ring buffer the executor allocated, at the disk's sequential bandwidth.
+This script writes a safetensors file of random tensors shaped like decoder layers, then reads every layer's byte
+range into a buffer it allocated, ``--repeats`` times per method, evicting the file from the page cache
+(``posix_fadvise(DONTNEED)``) before each run:
+
+- ``mmap``: copies from a memory mapping (the executor's disk tier before direct reads);
+- ``buffered``: ``preadv`` through the page cache, one request per layer;
+- ``pool``: :class:`specexec_hf.offload.direct_io.DirectReader`, ``O_DIRECT`` with ``--threads`` requests of
+  ``--request-mib`` in flight, one layer read ahead;
+- ``kvikio``: ``kvikio.CuFile.pread`` into the caller's host buffer (its POSIX thread pool, no GPU);
+- ``runai``: ``runai_model_streamer.FileStreamer`` over each layer's range, chunks copied into the caller's buffer;
+- ``fastsafetensors``: ``SafeTensorsFileLoader`` (``nogds``, CPU), which reads whole files into buffers of its own;
+- ``instanttensor``: ``safe_open`` (whole files, into buffers of its own).
+
+A library that is not installed or fails is recorded with its error. Run it in a throwaway environment with the
+libraries installed (``pip install torch==2.13.0 safetensors fastsafetensors instanttensor kvikio-cu12
+runai-model-streamer``); it loads ``direct_io.py`` by path, so it does not need the project's dependencies::
+
+    /tmp/loaders-venv/bin/python benchmarks/loaders.py --folder /var/tmp/loaders-bench \
+        --out benchmarks/results/loaders
+
+Writes ``loaders.json`` and ``loaders.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import mmap
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+GiB = 2**30
+MiB = 2**20
+
+
+def load_direct_io():
+    path = HERE.parent / "specexec_hf" / "offload" / "direct_io.py"
+    spec = importlib.util.spec_from_file_location("direct_io", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["direct_io"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+direct_io = load_direct_io()
+
+
+def layer_tensors(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """A Llama-style decoder layer's weight shapes."""
+    return {
+        "input_layernorm.weight": (hidden,),
+        "mlp.down_proj.weight": (hidden, intermediate),
+        "mlp.gate_proj.weight": (intermediate, hidden),
+        "mlp.up_proj.weight": (intermediate, hidden),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.k_proj.weight": (hidden // 4, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.v_proj.weight": (hidden // 4, hidden),
+    }
+
+
+def write_checkpoint(path: Path, layers: int, hidden: int, intermediate: int) -> None:
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(layers):
+        for name, shape in layer_tensors(hidden, intermediate).items():
+            bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+            tensors[f"model.layers.{layer:03d}.{name}"] = bits.view(torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def layer_ranges(path: Path) -> list[tuple[int, int]]:
+    """``(first byte, one past the last)`` of each layer in the file (its tensors are stored back to back)."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    start = 8 + length
+    ranges: dict[str, list[int]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        layer = ".".join(name.split(".")[:3])
+        begin, end = (start + offset for offset in entry["data_offsets"])
+        current = ranges.setdefault(layer, [begin, end])
+        current[0], current[1] = min(current[0], begin), max(current[1], end)
+    return [tuple(ranges[layer]) for layer in sorted(ranges)]
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_fraction(path: Path) -> float:
+    """The share of the file's pages in the page cache (``mincore``), to check that eviction worked."""
+    import ctypes
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vector = (ctypes.c_ubyte * pages)()
+        buffer = (ctypes.c_char * size).from_buffer(mapping)
+        result = libc.mincore(ctypes.c_void_p(ctypes.addressof(buffer)), ctypes.c_size_t(size), vector)
+        del buffer
+        mapping.close()
+    if result != 0:
+        return float("nan")
+    return sum(byte & 1 for byte in vector) / pages
+
+
+# Each reader: (path, ranges, buffers) -> None, reading layer i's range into buffers[i % 2][: length].
+
+
+def read_mmap(path, ranges, buffers):
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    source = torch.frombuffer(mapping, dtype=torch.uint8)
+    for index, (begin, end) in enumerate(ranges):
+        buffers[index % 2][: end - begin].copy_(source[begin:end])
+    del source
+    mapping.close()
+
+
+def read_buffered(path, ranges, buffers):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for index, (begin, end) in enumerate(ranges):
+            view = memoryview(buffers[index % 2][: end - begin].numpy())
+            done = 0
+            while done < end - begin:
+                done += os.preadv(fd, [view[done:]], begin + done)
+    finally:
+        os.close(fd)
+
+
+def pool_reader(threads: int, request_mib: int) -> Callable:
+    def read(path, ranges, buffers):
+        file = direct_io.WeightFile(path)
+        assert file.direct, f"{path}: O_DIRECT refused"
+        reader = direct_io.DirectReader(threads, request_mib * MiB)
+        try:
+            pending = None
+            for index, (begin, end) in enumerate(ranges):
+                span = direct_io.Span(file, begin, end, buffers[index % 2][_offset(begin) : _offset(begin) + end - begin])
+                future = reader.submit(direct_io.plan_reads([span], request_mib * MiB))
+                if pending is not None:
+                    pending.result()  # one layer read ahead, as the executor's ring does
+                pending = future
+            pending.result()
+        finally:
+            reader.close()
+            file.close()
+
+    return read
+
+
+def _offset(begin: int) -> int:
+    """Where a range starting at file offset ``begin`` lands in an aligned buffer (the file offset modulo a block)."""
+    return begin % direct_io.BLOCK
+
+
+def kvikio_reader(threads: int, request_mib: int) -> Callable:
+    import kvikio
+    import kvikio.defaults
+
+    settings = {"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": request_mib * MiB}
+    for name in ("auto_direct_io_read",):
+        settings[name] = True
+
+    def read(path, ranges, buffers):
+        with kvikio.defaults.set(settings):
+            handle = kvikio.CuFile(str(path), "r")
+            try:
+                pending = None
+                for index, (begin, end) in enumerate(ranges):
+                    target = buffers[index % 2][: end - begin].numpy()
+                    future = handle.pread(target, end - begin, begin)
+                    if pending is not None:
+                        pending.get()
+                    pending = future
+                pending.get()
+            finally:
+                handle.close()
+
+    return read
+
+
+def runai_reader(threads: int, request_mib: int) -> Callable:
+    os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(threads)
+    os.environ["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(request_mib * MiB)
+    from runai_model_streamer.file_streamer.file_streamer import FileStreamer
+    from runai_model_streamer.file_streamer.requests_iterator import FileChunks
+
+    def read(path, ranges, buffers):
+        chunk = request_mib * MiB
+        requests = []
+        for index, (begin, end) in enumerate(ranges):
+            sizes = [min(chunk, end - at) for at in range(begin, end, chunk)]
+            requests.append(FileChunks.contiguous(index, str(path), begin, sizes))
+        with FileStreamer() as streamer:
+            streamer.stream_files(requests)
+            for file_index, chunk_index, data in streamer.get_chunks():
+                begin, end = ranges[file_index]
+                at = chunk_index * chunk
+                source = data.reshape(-1)  # a uint8 tensor over the streamer's own buffer
+                buffers[file_index % 2][at : at + source.numel()].copy_(source)
+
+    return read
+
+
+def read_fastsafetensors(path, ranges, buffers):
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+    try:
+        loader.add_filenames({0: [str(path)]})
+        files = loader.copy_files_to_device()
+        files.close()
+    finally:
+        loader.close()
+
+
+def read_instanttensor(path, ranges, buffers):
+    from instanttensor import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu", copy=False) as handle:
+        for _name, _tensor in handle.tensors():
+            pass
+
+
+def methods(args) -> dict[str, Callable]:
+    found: dict[str, Callable] = {"mmap": read_mmap, "buffered": read_buffered}
+    for threads in args.threads:
+        for request_mib in args.request_mib:
+            found[f"pool t{threads} r{request_mib}MiB"] = pool_reader(threads, request_mib)
+    for label, build in (("kvikio", kvikio_reader), ("runai", runai_reader)):
+        try:
+            found[f"{label} t4 r8MiB"] = build(4, 8)
+        except Exception as error:  # noqa: BLE001 - recorded as the library's result
+            found[f"{label} t4 r8MiB"] = _failing(error)
+    found["fastsafetensors"] = read_fastsafetensors
+    found["instanttensor"] = read_instanttensor
+    return found
+
+
+def _failing(error: BaseException) -> Callable:
+    def read(path, ranges, buffers):
+        raise error
+
+    return read
+
+
+def verify(path: Path, ranges, buffers, index: int, offset: int) -> bool:
+    """Whether layer ``index``, the last read, landed at ``offset`` in its buffer with the file's bytes."""
+    begin, end = ranges[index]
+    expected = torch.empty(end - begin, dtype=torch.uint8)
+    read_buffered(path, [(begin, end)], [expected, expected])
+    return torch.equal(buffers[index % 2][offset : offset + end - begin], expected)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", type=Path, default=Path("/var/tmp/loaders-bench"))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "loaders")
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--request-mib", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--only", nargs="*", help="run only the methods whose name starts with one of these")
+    args = parser.parse_args()
+
+    path = args.folder / "layers.safetensors"
+    if not path.exists():
+        write_checkpoint(path, args.layers, args.hidden, args.intermediate)
+    ranges = layer_ranges(path)
+    size = path.stat().st_size
+    largest = max(end - begin for begin, end in ranges)
+    buffers = [direct_io.aligned_empty(direct_io.round_up(largest) + 2 * direct_io.BLOCK) for _ in range(2)]
+    read_bytes = sum(end - begin for begin, end in ranges)
+
+    results = []
+    for name, read in methods(args).items():
+        if args.only and not any(name.startswith(prefix) for prefix in args.only):
+            continue
+        runs, error, cached, correct = [], None, [], None
+        for _ in range(args.repeats):
+            evict(path)
+            cached.append(cached_fraction(path))
+            try:
+                started = time.perf_counter()
+                read(path, ranges, buffers)
+                runs.append(time.perf_counter() - started)
+            except Exception as failure:  # noqa: BLE001 - recorded as the method's result
+                error = f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+                traceback.print_exc()
+                break
+        whole_file = name in ("fastsafetensors", "instanttensor")
+        if runs and not whole_file:
+            last = len(ranges) - 1
+            correct = verify(path, ranges, buffers, last, _offset(ranges[last][0]) if name.startswith("pool") else 0)
+        seconds = statistics.median(runs) if runs else None
+        moved = size if whole_file else read_bytes
+        result = {
+            "method": name,
+            "seconds": seconds,
+            "runs_s": runs,
+            "gb_per_s": moved / seconds / 1e9 if seconds else None,
+            "bytes": moved,
+            "into_caller_buffers": not whole_file,
+            "cached_before": max(cached) if cached else None,
+            "correct": correct,
+            "error": error,
+        }
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_results(args, path, size, ranges, results)
+
+
+def write_results(args, path: Path, size: int, ranges, results) -> None:
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "file_bytes": size,
+        "layers": len(ranges),
+        "layer_bytes": ranges[0][1] - ranges[0][0],
+        "repeats": args.repeats,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
+        "folder": str(args.folder),
+    }
+    (args.out / "loaders.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    lines = [
+        "# Cold reads of one safetensors file, layer by layer",
+        "",
+        f"{size / GiB:.2f} GiB file, {len(ranges)} layers of {meta['layer_bytes'] / MiB:.0f} MiB (bf16, random), "
+        f"evicted from the page cache before each of {args.repeats} runs; median. Machine: {meta['machine']}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| method | GB/s | s (median) | into caller buffers | bytes checked | error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        rate = f"{result['gb_per_s']:.2f}" if result["gb_per_s"] else "-"
+        seconds = f"{result['seconds']:.2f}" if result["seconds"] else "-"
+        checked = {True: "equal", False: "DIFFER", None: "-"}[result["correct"]]
+        lines.append(
+            f"| {result['method']} | {rate} | {seconds} | {'yes' if result['into_caller_buffers'] else 'no (own buffers, whole file)'} "
+            f"| {checked} | {result['error'] or ''} |"
+        )
+    (args.out / "loaders.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""Direct reads of weight files: ``O_DIRECT`` into aligned buffers the caller owns, several requests in flight.
+
+Reading through the page cache (a memory mapping, or plain ``read``) runs a cold file at the kernel's readahead
+speed, about half the disk's bandwidth on the machine this was measured on, and for a model larger than RAM the
+cached pages compete with the process for memory. ``O_DIRECT`` moves the bytes from the disk straight into the
+destination, at the disk's full sequential bandwidth when a few requests of several MiB are in flight
+(``benchmarks/loaders.py`` measures it against the page cache and the published loaders; see
+docs/offloading.md). It needs offsets, lengths and memory addresses aligned to the device's block size
+(:data:`BLOCK` covers every common one). Each read therefore covers the aligned superset of the wanted bytes: it
+lands straight in the destination when the bytes around it are free to overwrite (:func:`plan_reads` checks), and
+otherwise goes through a small per-thread bounce buffer and is copied (or converted to another dtype) from there.
+
+This module imports only torch and the standard library, so that ``benchmarks/loaders.py`` can load it in a
+throwaway environment.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Alignment of O_DIRECT offsets, lengths and buffer addresses: the largest logical block size in common use.
+BLOCK = 4096
+# Request size and requests in flight that reach the disk's sequential bandwidth (benchmarks/results/loaders).
+REQUEST_BYTES = 8 * 2**20
+READERS = 4
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+_warned_folders: set[str] = set()
+
+
+class WeightFileError(RuntimeError):
+    """A weight file no longer holds what the model was planned on (truncated, rewritten), or a read came up short."""
+
+
+def aligned_empty(nbytes: int, alignment: int = BLOCK) -> torch.Tensor:
+    """An uninitialised ``uint8`` tensor of ``nbytes`` whose first byte is ``alignment``-aligned."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    start = -raw.data_ptr() % alignment
+    return raw[start : start + nbytes]
+
+
+def round_down(offset: int, alignment: int = BLOCK) -> int:
+    return offset - offset % alignment
+
+
+def round_up(offset: int, alignment: int = BLOCK) -> int:
+    return offset + -offset % alignment
+
+
+class WeightFile:
+    """A weight file opened once, read with ``O_DIRECT`` where its filesystem allows it.
+
+    Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), the file is read through the page
+    cache instead, with one warning per folder naming the reason. The size and modification time the file had
+    when it was opened are what every read is checked against (:meth:`check_unchanged`): a file truncated or
+    rewritten in place afterwards raises :class:`WeightFileError` instead of feeding other bytes to the model. A
+    file replaced by another under the same name (a rename) does not affect the open descriptor, which goes on
+    reading the file the model was planned on.
+
+    Args:
+        path: The file.
+        direct: Try ``O_DIRECT``; ``False`` reads through the page cache without a warning.
+    """
+
+    def __init__(self, path: str | os.PathLike, direct: bool = True):
+        self.path = os.fspath(path)
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._fallback_lock = threading.Lock()
+        try:
+            self.descriptor = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError as error:
+            if not self.direct or error.errno != errno.EINVAL:
+                raise
+            self.descriptor = os.open(self.path, os.O_RDONLY)
+            self._note_fallback(f"open(O_DIRECT) failed: {error.strerror}")
+        stat = os.fstat(self.descriptor)
+        self.size = stat.st_size
+        self._planned = (stat.st_size, stat.st_mtime_ns)
+        self._mapping: mmap.mmap | None = None
+        self._safetensors_header: dict[str, Any] | None = None
+        self._data_start = 0
+
+    def close(self) -> None:
+        """Closes the descriptor (a mapping handed out by :meth:`tensor` stays valid)."""
+        if self.descriptor >= 0:
+            os.close(self.descriptor)
+            self.descriptor = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def check_unchanged(self) -> None:
+        """Raises :class:`WeightFileError` if the file's size or modification time changed since it was opened."""
+        stat = os.fstat(self.descriptor)
+        if (stat.st_size, stat.st_mtime_ns) != self._planned:
+            change = (
+                f"its size went from {self._planned[0]} to {stat.st_size} bytes"
+                if stat.st_size != self._planned[0]
+                else "it was modified"
+            )
+            raise WeightFileError(
+                f"The weight file {self.path} changed after the model was loaded ({change}): its bytes no longer "
+                "match the planned tensors. Load the model again (and do not rewrite a checkpoint in use)."
+            )
+
+    def read(self, offset: int, destination: torch.Tensor) -> None:
+        """Fills ``destination`` (contiguous ``uint8``) with the bytes at ``offset``, up to the planned file end.
+
+        For a direct read, ``offset``, ``destination.numel()`` and ``destination.data_ptr()`` are :data:`BLOCK`
+        aligned; bytes past the file's end are left as they were.
+
+        Raises:
+            WeightFileError: The file ended before the planned size (it was truncated).
+        """
+        expected = max(0, min(destination.numel(), self.size - offset))
+        view = _writable_view(destination)
+        done = 0
+        while done < expected:
+            try:
+                count = os.preadv(self.descriptor, [view[done:]], offset + done)
+            except OSError as error:
+                if not (self.direct and error.errno == errno.EINVAL):
+                    raise
+                self._fall_back(f"pread(O_DIRECT) failed: {error.strerror}")
+                continue
+            if count == 0 or (self.direct and done + count < expected and count % BLOCK):
+                raise WeightFileError(
+                    f"Short read from {self.path}: got {done + count} of the {expected} bytes planned at offset "
+                    f"{offset}; the file is shorter than when the model was loaded (truncated?). Load the model again."
+                )
+            done += count
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-copy tensor over a private mapping of the file (through the page cache), ``offset`` bytes in.
+
+        The mapping is made on first use; it serves reads of a few rows (embedding lookups) and the executors that
+        copy whole tensors from it.
+        """
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self.descriptor, 0, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(self._mapping, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+
+    def safetensors_entry(self, name: str) -> tuple[int, torch.dtype, tuple[int, ...]]:
+        """``(byte offset, dtype, shape)`` of tensor ``name``, this being a safetensors file.
+
+        Raises:
+            WeightFileError: The header names bytes past the end of the file (it was truncated).
+            KeyError: No tensor ``name`` in the file.
+        """
+        if self._safetensors_header is None:
+            self._safetensors_header, self._data_start = self._read_safetensors_header()
+        entry = self._safetensors_header[name]
+        start, end = (self._data_start + offset for offset in entry["data_offsets"])
+        if end > self.size:
+            raise WeightFileError(
+                f"{self.path} is truncated: its header places {name!r} at bytes {start}-{end}, past the file's end "
+                f"({self.size} bytes). Download or save the checkpoint again."
+            )
+        return start, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+
+    def _read_safetensors_header(self) -> tuple[dict[str, Any], int]:
+        first = aligned_empty(BLOCK)
+        self.read(0, first)
+        if self.size < 8:
+            raise WeightFileError(f"{self.path} is not a safetensors file: {self.size} bytes, shorter than a header.")
+        (length,) = struct.unpack("<Q", first[:8].numpy().tobytes())
+        if 8 + length > self.size:
+            raise WeightFileError(
+                f"{self.path} is truncated or not a safetensors file: its header claims {length} bytes, the file "
+                f"has {self.size}."
+            )
+        whole = first if 8 + length <= BLOCK else aligned_empty(round_up(8 + length))
+        if whole is not first:
+            self.read(0, whole)
+        return json.loads(whole[8 : 8 + length].numpy().tobytes()), 8 + length
+
+    def _fall_back(self, reason: str) -> None:
+        """Reopens the file for reads through the page cache (the filesystem refused a direct read)."""
+        with self._fallback_lock:
+            if not self.direct:
+                return
+            buffered = os.open(self.path, os.O_RDONLY)
+            if os.fstat(buffered).st_ino != os.fstat(self.descriptor).st_ino:
+                os.close(buffered)
+                raise WeightFileError(f"{self.path} was replaced after the model was loaded. Load the model again.")
+            os.dup2(buffered, self.descriptor)
+            os.close(buffered)
+            self._note_fallback(reason)
+
+    def _note_fallback(self, reason: str) -> None:
+        self.direct = False
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if folder not in _warned_folders:
+            _warned_folders.add(folder)
+            logger.warning(
+                "Reading weights in %s through the page cache, slower than direct reads: the filesystem refuses "
+                "O_DIRECT (%s).", folder, reason,
+            )
+
+
+def _writable_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU ``uint8`` tensor (``os.preadv`` writes into it, releasing the GIL)."""
+    return memoryview(tensor.numpy()).cast("B")
+
+
+@dataclass
+class Span:
+    """Bytes ``[start, end)`` of ``file`` and the tensor they fill.
+
+    Args:
+        file: The file.
+        start: First byte.
+        end: One past the last byte.
+        target: A ``uint8`` tensor of ``end - start`` bytes, or, when ``dtype`` differs from its dtype, the tensor
+            the bytes fill once read as ``dtype`` and converted (as ``Tensor.copy_`` converts).
+        dtype: The dtype the bytes are stored in.
+    """
+
+    file: WeightFile
+    start: int
+    end: int
+    target: torch.Tensor
+    dtype: torch.dtype = torch.uint8
+
+
+@dataclass
+class _Piece:
+    """Part of a bounced request: ``bounce[start : start + nbytes]`` read as ``dtype`` into ``target``."""
+
+    start: int
+    nbytes: int
+    dtype: torch.dtype
+    target: torch.Tensor
+
+    def scatter(self, bounce: torch.Tensor) -> None:
+        source = bounce[self.start : self.start + self.nbytes]
+        if self.start % self.dtype.itemsize:
+            source = source.clone()  # a typed view needs its offset aligned to the dtype
+        self.target.copy_(source.view(self.dtype).view(self.target.shape))
+
+
+@dataclass
+class _Request:
+    """One read of ``length`` bytes at block-aligned ``offset``: into ``destination``, or bounced into ``pieces``."""
+
+    file: WeightFile
+    offset: int
+    length: int
+    destination: torch.Tensor | None = None
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+@dataclass
+class ReadPlan:
+    """The requests that fill a set of spans (:func:`plan_reads`), and the files to check once they have landed."""
+
+    requests: list[_Request]
+    files: list[WeightFile]
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes read straight into the caller's buffers (the rest goes through bounce buffers)."""
+        return sum(request.length for request in self.requests if request.destination is not None)
+
+
+def plan_reads(spans: Sequence[Span], request_bytes: int = REQUEST_BYTES) -> ReadPlan:
+    """The requests that fill ``spans``, at most ``request_bytes`` each (plus alignment).
+
+    A raw span lands directly in its target when its target address and file offset agree modulo :data:`BLOCK`
+    and the aligned superset around it overlaps no other span's target and stays within the target's storage
+    (the bytes there are scratch); any other span is read into a bounce buffer and copied from it, split at element
+    boundaries.
+
+    Args:
+        spans: What to read; targets must not overlap each other.
+        request_bytes: The largest request, a multiple of :data:`BLOCK`.
+    """
+    if request_bytes % BLOCK or request_bytes <= 0:
+        raise ValueError(f"request_bytes must be a positive multiple of {BLOCK}, got {request_bytes}.")
+    occupied = sorted((span.target.data_ptr(), span.target.data_ptr() + _target_bytes(span)) for span in spans)
+    requests: list[_Request] = []
+    for span in spans:
+        if _lands_directly(span, occupied):
+            requests.extend(_direct_requests(span, request_bytes))
+        else:
+            requests.extend(_bounced_requests(span, request_bytes))
+    files = list({id(span.file): span.file for span in spans}.values())
+    return ReadPlan(requests, files)
+
+
+def _target_bytes(span: Span) -> int:
+    return span.target.numel() * span.target.element_size()
+
+
+def _lands_directly(span: Span, occupied: list[tuple[int, int]]) -> bool:
+    target = span.target
+    if target.dtype != torch.uint8 or span.dtype != torch.uint8 or not target.is_contiguous():
+        return False
+    address = target.data_ptr()
+    if (address - span.start) % BLOCK:
+        return False
+    head = address - span.start % BLOCK
+    tail = head + round_up(span.end - round_down(span.start))
+    storage = target.untyped_storage()
+    if head < storage.data_ptr() or tail > storage.data_ptr() + storage.nbytes():
+        return False
+    own = (address, address + target.numel())
+    return all(end <= head or begin >= tail for begin, end in occupied if (begin, end) != own)
+
+
+def _direct_requests(span: Span, request_bytes: int) -> list[_Request]:
+    first = round_down(span.start)
+    storage = span.target.untyped_storage()
+    base = span.target.data_ptr() - storage.data_ptr() - (span.start - first)
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    length = round_up(span.end - first)
+    return [
+        _Request(span.file, first + at, min(request_bytes, length - at), whole[base + at : base + at + min(request_bytes, length - at)])
+        for at in range(0, length, request_bytes)
+    ]
+
+
+def _bounced_requests(span: Span, request_bytes: int) -> list[_Request]:
+    itemsize = span.dtype.itemsize
+    elements = (span.end - span.start) // itemsize
+    flat = span.target.view(-1) if span.target.is_contiguous() else None
+    per_piece = max(1, request_bytes // itemsize) if flat is not None else elements
+    requests = []
+    for first_element in range(0, elements, per_piece):
+        count = min(per_piece, elements - first_element)
+        start = span.start + first_element * itemsize
+        offset = round_down(start)
+        target = flat[first_element : first_element + count] if flat is not None else span.target
+        piece = _Piece(start - offset, count * itemsize, span.dtype, target)
+        requests.append(_Request(span.file, offset, round_up(start + count * itemsize) - offset, pieces=[piece]))
+    return requests
+
+
+class DirectReader:
+    """A small pool of threads that carries out :class:`ReadPlan` requests, ``threads`` in flight.
+
+    ``os.preadv`` releases the GIL, so the reads overlap each other and the caller's compute. Each thread owns one
+    aligned bounce buffer for requests that cannot land in place.
+
+    Args:
+        threads: Requests in flight.
+        request_bytes: The size plans are split into, which sizes the bounce buffers.
+    """
+
+    def __init__(self, threads: int = READERS, request_bytes: int = REQUEST_BYTES):
+        self.request_bytes = request_bytes
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="specexec-direct-read")
+        self._local = threading.local()
+
+    def submit(self, plan: ReadPlan) -> Future:
+        """Starts ``plan``; the future resolves once every request has landed and every file was found unchanged.
+
+        It resolves only after all of the plan's requests have finished, failed ones included, so that a retry
+        never races a straggler writing into the same buffer; it then holds the first error.
+        """
+        done: Future = Future()
+        if not plan.requests:
+            done.set_result(None)
+            return done
+        remaining = [len(plan.requests)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def landed(request: Future) -> None:
+            with lock:
+                if request.exception() is not None:
+                    errors.append(request.exception())
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                if errors:
+                    raise errors[0]
+                for file in plan.files:
+                    file.check_unchanged()
+            except BaseException as error:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        for request in plan.requests:
+            self._pool.submit(self._perform, request).add_done_callback(landed)
+        return done
+
+    def read(self, plan: ReadPlan) -> None:
+        """Carries out ``plan`` and waits for it."""
+        self.submit(plan).result()
+
+    def close(self) -> None:
+        """Waits for queued requests and stops the threads."""
+        self._pool.shutdown(wait=True)
+
+    def _perform(self, request: _Request) -> None:
+        if request.destination is not None:
+            request.file.read(request.offset, request.destination)
+            return
+        bounce = self._bounce(request.length)
+        request.file.read(request.offset, bounce)
+        for piece in request.pieces:
+            piece.scatter(bounce)
+
+    def _bounce(self, length: int) -> torch.Tensor:
+        """This thread's bounce buffer, at least ``length`` bytes (block-aligned)."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None or bounce.numel() < length:
+            bounce = aligned_empty(max(length, self.request_bytes + 2 * BLOCK))
+            self._local.bounce = bounce
+        return bounce[:length]

@@ -1,0 +1,288 @@
+"""The streaming executor's disk tier: direct reads bit-equal to the bytes on disk and to the in-memory model, the
+page-cache fallback where O_DIRECT is refused, and clear errors for a changed file, a short read, a full disk."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import logging
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+import specexec_hf
+from specexec_hf.hf import offload_hint
+from specexec_hf.offload import direct_io, layer_streamer, load_offloaded, placement
+from specexec_hf.offload import stream as stream_module
+from specexec_hf.offload.direct_io import BLOCK, DirectReader, Span, WeightFile, WeightFileError, plan_reads
+
+
+@pytest.fixture
+def refuse_o_direct(monkeypatch):
+    """Makes every ``open(O_DIRECT)`` fail with ``EINVAL``, as on tmpfs, wherever the tests run."""
+    real_open = os.open
+
+    def open_without_o_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", open_without_o_direct)
+    monkeypatch.setattr(direct_io, "_warned_folders", set())
+
+
+def random_file(folder, size: int, seed: int = 0):
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    path = folder / f"weights-{seed}-{size}.bin"
+    path.write_bytes(data.numpy().tobytes())
+    return path, data
+
+
+# A span: (file offset, element count, stored dtype, target dtype); targets go back to back into one buffer.
+DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+span_strategy = st.tuples(
+    st.integers(0, 5 * BLOCK), st.integers(1, 3000), st.sampled_from(DTYPES), st.sampled_from(DTYPES)
+)
+
+
+@given(
+    spans=st.lists(span_strategy, min_size=1, max_size=6),
+    gaps=st.lists(st.integers(0, 2 * BLOCK), min_size=6, max_size=6),
+    request_blocks=st.integers(1, 3),
+    direct=st.booleans(),
+)
+@settings(max_examples=60)
+def test_read_plans_fill_every_span_with_the_file_bytes(tmp_path_factory, spans, gaps, request_blocks, direct):
+    """Whatever the offsets, sizes, dtypes, gaps and request size, each target holds its bytes (converted)."""
+    path, data = random_file(tmp_path_factory.mktemp("spans"), 6 * BLOCK + 3000 * 8, seed=len(spans))
+    file = WeightFile(path, direct=direct)
+    layout, size = [], 0
+    for (offset, count, stored, computed), gap in zip(spans, gaps):
+        if stored == computed or torch.uint8 in (stored, computed):  # a raw run: bytes, placed as the file has them
+            stored = computed = torch.uint8
+            count *= 3
+            start = size + gap + (offset - size - gap) % BLOCK
+        else:  # a conversion, into a fresh 64-byte-aligned tensor
+            start = size + gap + -(size + gap) % 64
+        layout.append((offset, count, stored, computed, start))
+        size = start + count * computed.itemsize
+    buffer = direct_io.aligned_empty(size + BLOCK)
+    buffer.fill_(0xAB)
+    span_list = []
+    for offset, count, stored, computed, start in layout:
+        target = buffer[start : start + count * computed.itemsize].view(computed)
+        span_list.append(Span(file, offset, offset + count * stored.itemsize, target, stored))
+    reader = DirectReader(threads=3, request_bytes=request_blocks * BLOCK)
+    try:
+        reader.read(plan_reads(span_list, request_blocks * BLOCK))
+    finally:
+        reader.close()
+    for (offset, count, stored, computed, start), span in zip(layout, span_list):
+        expected = data[offset : offset + count * stored.itemsize].clone().view(stored).to(computed)
+        assert torch.equal(span.target.view(torch.uint8), expected.view(torch.uint8))  # bits: random bytes hold NaNs
+
+
+def test_raw_spans_land_in_place_when_the_blocks_around_them_are_free(tmp_path):
+    path, data = random_file(tmp_path, 4 * BLOCK)
+    file = WeightFile(path)
+    buffer = direct_io.aligned_empty(4 * BLOCK)
+    alone = plan_reads([Span(file, 100, 5000, buffer[100:5000])])
+    assert alone.direct_bytes == 2 * BLOCK  # the two blocks around bytes 100-5000
+    crowded = plan_reads([Span(file, 100, 5000, buffer[100:5000]), Span(file, 0, 50, buffer[10:60])])
+    assert crowded.direct_bytes == 0  # the other span sits in the first block's head: both go through a bounce
+    DirectReader().read(crowded)
+    assert torch.equal(buffer[100:5000], data[100:5000]) and torch.equal(buffer[10:60], data[0:50])
+
+
+def test_a_filesystem_without_o_direct_reads_through_the_page_cache_with_one_warning(tmp_path, refuse_o_direct, caplog):
+    path, data = random_file(tmp_path, 3 * BLOCK)
+    with caplog.at_level(logging.WARNING, logger=direct_io.__name__):
+        files = [WeightFile(path), WeightFile(path)]
+    assert [file.direct for file in files] == [False, False]
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "refuses O_DIRECT" in warnings[0] and "Invalid argument" in warnings[0]
+    target = torch.empty(5000, dtype=torch.uint8)
+    DirectReader().read(plan_reads([Span(files[0], 7, 5007, target)]))
+    assert torch.equal(target, data[7:5007])
+
+
+def test_a_direct_read_refused_after_open_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+    path, data = random_file(tmp_path, 3 * BLOCK)
+    file = WeightFile(path)
+    real_preadv = os.preadv
+    refused = []
+
+    def preadv_refusing_the_first(fd, buffers, offset):
+        if not refused:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", preadv_refusing_the_first)
+    monkeypatch.setattr(direct_io, "_warned_folders", set())
+    target = direct_io.aligned_empty(2 * BLOCK)
+    with caplog.at_level(logging.WARNING, logger=direct_io.__name__):
+        file.read(BLOCK, target)
+    assert refused and not file.direct
+    assert torch.equal(target, data[BLOCK : 3 * BLOCK])
+    assert "pread(O_DIRECT) failed" in caplog.text
+
+
+def test_a_file_truncated_after_opening_gives_a_short_read_error(tmp_path):
+    path, _ = random_file(tmp_path, 4 * BLOCK)
+    file = WeightFile(path)
+    os.truncate(path, BLOCK + 10)
+    with pytest.raises(WeightFileError, match="Short read .*truncated"):
+        file.read(0, direct_io.aligned_empty(4 * BLOCK))
+    with pytest.raises(WeightFileError, match="size went from 16384 to 4106 bytes"):
+        file.check_unchanged()
+
+
+def test_a_truncated_safetensors_file_is_named_before_any_read(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(100), "b": torch.ones(2000)}, str(path))
+    os.truncate(path, path.stat().st_size - 100)
+    file = WeightFile(path)
+    assert file.safetensors_entry("a")[1:] == (torch.float32, (100,))
+    with pytest.raises(WeightFileError, match="is truncated: its header places 'b'"):
+        file.safetensors_entry("b")
+
+
+def checkpoint(folder, dtype=torch.float64, num_layers=3, vocab_size=64, seed=3):
+    model = tiny_model("llama", seed=seed, num_layers=num_layers, vocab_size=vocab_size, dtype=dtype)
+    model.save_pretrained(folder)
+    return folder / "model.safetensors"
+
+
+def ids(length: int = 7, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten in place"])
+def test_a_checkpoint_changed_under_a_streamed_model_raises_instead_of_computing(tmp_path, change):
+    path = checkpoint(tmp_path)
+    model = load_offloaded(tmp_path, max_memory={"cpu": 0})
+    with torch.no_grad():
+        model(ids())
+        if change == "truncated":
+            os.truncate(path, path.stat().st_size // 2)
+        else:
+            size, stat = path.stat().st_size, path.stat()
+            with open(path, "r+b") as handle:
+                handle.seek(size // 2)
+                handle.write(b"\0" * 64)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # coarse clocks: make the change show
+        with pytest.raises(WeightFileError, match="changed after the model was loaded"):
+            model(ids())
+
+
+def test_a_truncated_offload_file_is_refused_when_the_streamer_is_planned(tmp_path):
+    model = load_offloaded(tiny_model("llama", num_layers=2), max_memory={"cpu": 0}, offload_folder=tmp_path,
+                           executor="accelerate")
+    dat = tmp_path / "model.layers.1.mlp.up_proj.weight.dat"
+    os.truncate(dat, dat.stat().st_size - 8)
+    with pytest.raises(WeightFileError, match="up_proj.weight.dat is truncated"):
+        specexec_hf.stream(model)
+
+
+class _Usage:
+    """What ``shutil.disk_usage`` returns, as far as the free-space check reads it."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+
+def test_no_room_for_the_offload_folder_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(placement.shutil, "disk_usage", lambda folder: _Usage(10_000))
+    with pytest.raises(OSError, match="No space left in the offload folder .* raise max_memory") as raised:
+        load_offloaded(tiny_model("llama"), max_memory={"cpu": 0}, offload_folder=tmp_path)
+    assert raised.value.errno == errno.ENOSPC
+    assert not list(tmp_path.glob("*.dat"))
+
+
+def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path, monkeypatch):
+    real_write = placement._write_tensor_file
+    written = []
+
+    def write_until_full(path, flat):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        real_write(path, flat)
+
+    monkeypatch.setattr(placement, "_write_tensor_file", write_until_full)
+    with pytest.raises(OSError, match="No space left in the offload folder") as raised:
+        load_offloaded(tiny_model("llama"), max_memory={"cpu": 0}, offload_folder=tmp_path)
+    assert raised.value.errno == errno.ENOSPC and len(written) == 3
+
+
+@given(
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    stored=st.sampled_from(["checkpoint, same dtype", "checkpoint, converted", "offload folder"]),
+    num_layers=st.integers(1, 4),
+    vocab_size=st.sampled_from([64, 200, 1031]),
+    prefetch=st.integers(1, 4),
+    direct=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=20)
+def test_direct_reads_give_logits_bit_equal_to_the_in_memory_model(
+    tmp_path_factory, monkeypatch, dtype, stored, num_layers, vocab_size, prefetch, direct, seed
+):
+    """Over dtypes, shapes, ring sizes, checkpoint or offload folder, with O_DIRECT and through the fallback."""
+    folder = tmp_path_factory.mktemp("model")
+    if not direct:
+        monkeypatch.setattr(stream_module, "WeightFile", lambda path: WeightFile(path, direct=False))
+    if stored == "offload folder":
+        reference = tiny_model("llama", seed=seed, num_layers=num_layers, vocab_size=vocab_size, dtype=dtype)
+        streamed = load_offloaded(copy.deepcopy(reference), max_memory={"cpu": 0}, offload_folder=folder,
+                                  prefetch=prefetch)
+    else:
+        saved = dtype if stored == "checkpoint, same dtype" else torch.float64
+        checkpoint(folder, saved, num_layers, vocab_size, seed)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        streamed = load_offloaded(folder, max_memory={"cpu": 0}, dtype=dtype, prefetch=prefetch)
+    streamer = layer_streamer(streamed)
+    assert streamer is not None
+    assert all(file.direct == direct for _, plan in streamer._units for file in plan.files) or not direct
+    with torch.no_grad():
+        for length in (5, 1, 3):  # later forwards run from buffers read ahead
+            tokens = ids(length, vocab_size)
+            assert torch.equal(streamed(tokens).logits, reference(tokens).logits)
+
+
+def test_load_offloaded_streams_by_default(tmp_path):
+    model = load_offloaded(tiny_model("llama"), max_memory={"cpu": 0}, offload_folder=tmp_path)
+    assert layer_streamer(model) is not None
+
+
+def test_stream_takes_over_a_model_from_pretrained_offloaded_and_the_hint_names_it(tmp_path, monkeypatch, caplog):
+    checkpoint(tmp_path / "checkpoint")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", attn_implementation="sdpa")
+    device_map = placement.offload_device_map(reference, {"cpu": 0})
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "checkpoint", device_map=device_map, offload_folder=tmp_path / "offload", attn_implementation="sdpa"
+    )
+    monkeypatch.setattr(offload_hint, "_hinted", False)
+    with caplog.at_level(logging.WARNING, logger=offload_hint.__name__):
+        assert offload_hint.hint_streaming_executor(model)
+        assert not offload_hint.hint_streaming_executor(model)  # once
+    hints = [record.getMessage() for record in caplog.records if record.name == offload_hint.__name__]
+    assert len(hints) == 1 and "specexec_hf.stream(model)" in hints[0]
+    assert specexec_hf.stream(model) is model and layer_streamer(model) is not None
+    monkeypatch.setattr(offload_hint, "_hinted", False)
+    assert not offload_hint.hint_streaming_executor(model)  # the hooks are gone
+    with torch.no_grad():
+        assert torch.equal(model(ids()).logits, reference(ids()).logits)
+
+
+def test_stream_refuses_a_model_accelerate_did_not_dispatch():
+    with pytest.raises(ValueError, match="no hf_device_map.*load_offloaded"):
+        specexec_hf.stream(tiny_model("llama"))
