@@ -59,7 +59,9 @@ from ..core.search import SearchResult
 from ..hf.calibrated import ranking_setting, shared_acceptance_map
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
-from ..patches import vllm_tree
+from ..offload.direct_io import Span, WeightFile, aligned_empty, plan_reads, round_up
+from ..offload.stream import LayerStreamer, _ring_slots, _Slot, _slot_members
+from ..patches import vllm_offload, vllm_tree
 
 try:
     import vllm
@@ -113,12 +115,17 @@ class ProposerSettings:
         specexec: Tree-growth knobs; ``max_depth`` is further capped by ``num_speculative_tokens``.
         tree_verification: Propose the whole tree and verify it in one target forward
             (:mod:`specexec_hf.patches.vllm_tree`) instead of its best chain.
+        offload: The target's decoder layers are written to this folder at load and streamed from it
+            (:mod:`specexec_hf.patches.vllm_offload`); ``None`` keeps them in memory.
+        offload_prefetch: Layers the stream reads ahead of the one computing.
     """
 
     draft_model: str
     draft_dtype: str | None
     specexec: SpecExecConfig
     tree_verification: bool = False
+    offload: str | None = None
+    offload_prefetch: int = 1
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -129,7 +136,7 @@ class ProposerSettings:
             environ: The environment, e.g. ``os.environ``.
         """
         knobs = SpecExecConfig.knob_names()
-        names = ("draft_model", "draft_dtype", "tree_verification", *knobs)
+        names = ("draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", *knobs)
         unknown = sorted(set(extra) - set(names))
         if unknown:
             raise ValueError(f"Unknown SpecExec vLLM setting(s) {unknown}; known: {list(names)}.")
@@ -144,7 +151,9 @@ class ProposerSettings:
         types = {f.name: f.type for f in fields(SpecExecConfig)}
         specexec = SpecExecConfig(**{k: _parse_knob(k, types[k], raw[k]) for k in knobs if k in raw})
         tree = _parse_knob("tree_verification", "bool", raw.get("tree_verification", False))
-        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree))
+        prefetch = _parse_knob("offload_prefetch", "int", raw.get("offload_prefetch", 1))
+        offload = raw.get("offload") or None
+        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch)
 
 
 def _parse_knob(name: str, annotation: str, value: Any) -> Any:
@@ -182,6 +191,43 @@ def sampled_verification_works(device: torch.device) -> bool:
     temperature = torch.tensor([0.5, 2.0], device=device)
     expanded = expand_batch_to_tokens(temperature, torch.tensor([1, 2], device=device), 2)
     return torch.equal(expanded, temperature)
+
+
+def stream_offloaded_layers(layer_file: vllm_offload.LayerFile, prefetch: int) -> LayerStreamer:
+    """Streams the target's decoder layers from the file the offload patch wrote, through a ring of layer buffers.
+
+    The project's read-ahead executor (:class:`~specexec_hf.offload.stream.LayerStreamer`) runs it: each layer's
+    parameters become views of its ring buffer, and a forward pre-hook per layer waits for that buffer's direct read
+    and queues the next ``prefetch`` layers' reads. Each layer is one block-aligned span of the file, read straight
+    into its block-aligned buffer.
+
+    Args:
+        layer_file: The written layers (:class:`~specexec_hf.patches.vllm_offload.LayerFile`), flushed.
+        prefetch: Layers read ahead of the one computing.
+    """
+    file = WeightFile(layer_file.path)
+    sizes = [round_up(stored.nbytes) for stored in layer_file.layers]
+    slot_of = _ring_slots(len(sizes), prefetch)
+    slots = [_Slot(aligned_empty(max(sizes[p] for p in members))) for members in _slot_members(slot_of)]
+    units = []
+    for position, stored in enumerate(layer_file.layers):
+        buffer = slots[slot_of[position]].buffer
+        for parameter, offset in stored.parameters:
+            parameter.data = buffer[offset : offset + parameter.nbytes].view(parameter.dtype).view(parameter.shape)
+        span = Span(file, stored.start, stored.start + sizes[position], buffer[: sizes[position]])
+        units.append((stored.module, plan_reads([span])))
+    names = [stored.name for stored in layer_file.layers]
+    return LayerStreamer(names, units, slots, slot_of, [stored.nbytes for stored in layer_file.layers], prefetch)
+
+
+def offload_plugin() -> None:
+    """vLLM general plugin (entry point group ``vllm.general_plugins``): when ``SPECEXEC_OFFLOAD`` names a folder,
+    the target's decoder layers stream from it (``SPECEXEC_OFFLOAD_PREFETCH`` layers read ahead, default 1), with
+    or without speculation; nothing happens otherwise. vLLM loads general plugins in each of its processes."""
+    folder = os.environ.get(ENV_PREFIX + "OFFLOAD")
+    if folder:
+        prefetch = _parse_knob("offload_prefetch", "int", os.environ.get(ENV_PREFIX + "OFFLOAD_PREFETCH", "1"))
+        vllm_offload.arm(vllm_offload.OffloadSettings(folder, prefetch), stream_offloaded_layers)
 
 
 @dataclass
@@ -237,6 +283,9 @@ class SpecExecProposer:
             )
         if self.settings.tree_verification:
             vllm_tree.check_vllm_version(vllm.__version__)
+        if self.settings.offload:  # vLLM builds the proposer before it loads the target, in the same process
+            offload = vllm_offload.OffloadSettings(self.settings.offload, self.settings.offload_prefetch)
+            vllm_offload.arm(offload, stream_offloaded_layers)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """Loads the draft and checks it against the target; vLLM calls this once, after loading the target.
