@@ -39,13 +39,6 @@ class SpecExecConfig:
             even on the measured pair) takes the draft's top tokens throughout, accepted only when the target's own
             draw hits one. Either way the output follows the target's distribution exactly. Greedy decoding always
             takes the top tokens.
-        strict_ties: Greedy decoding only. A 16-bit target's tree forward rounds its logits differently from a
-            one-token forward, so where its top two scores are within rounding of each other (a near-tie,
-            :mod:`specexec_hf.core.precision`) the two can pick different tokens. ``True`` stops the walk before each
-            near-tied choice and decides it in the next step from a forward over that one token alone, as plain
-            decoding would, at the cost of one extra target forward per near-tie. It makes such flips rarer, not
-            impossible: the cache the token attends to was still built by tree forwards. ``False`` (the default)
-            takes the tree forward's choice. In float32 near-ties are exact ties and both settings agree.
     """
 
     budget: int | Literal["auto"] = 64
@@ -57,7 +50,6 @@ class SpecExecConfig:
     context_match_weights: tuple[float, ...] | None = None
     acceptance_calibration: bool = True
     sampled_children: bool = False
-    strict_ties: bool = False
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
@@ -73,7 +65,7 @@ class SpecExecConfig:
                 f"SpecExecConfig.max_draft_forwards must be None or a non-negative integer, got "
                 f"{self.max_draft_forwards!r}."
             )
-        for name in ("acceptance_calibration", "sampled_children", "strict_ties"):
+        for name in ("acceptance_calibration", "sampled_children"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SpecExecConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.draft_temperature is not None and not self.draft_temperature > 0:

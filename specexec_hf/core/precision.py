@@ -1,29 +1,30 @@
 """Near-ties: greedy choices that rounding in a 16-bit target could flip.
 
-A tree forward runs other kernel shapes than a one-token forward (more query rows, other blockings, other
-reduction orders), so the same node's logits come out rounded differently. Where the target's top two scores are
-further apart than that rounding can move them, both forwards pick the same token; where they are closer, either
-may win, and speculative decoding, batched decoding and plain decoding can part ways there. Plain 16-bit greedy
-decoding is itself only one of the rounding outcomes: its own logits come from one-token forwards over a cache
-that one-token forwards built.
+A tree forward runs other kernel shapes than a one-token forward (more query rows, so other blockings and
+reduction orders in the matmuls), so the same node's logits come out rounded differently, and the differences grow
+through the layers (on SmolLM2-135M in bfloat16, the MLP's down projection is the first to differ; logits then
+differ by a few units in the last place). Where the target's top two scores are further apart than rounding can
+move them, both forwards pick the same token; where they are closer, either may win, and speculative decoding,
+batched decoding and plain decoding can part ways there. Plain 16-bit greedy decoding is itself one rounding
+outcome: its logits come from one-token forwards over a cache that one-token forwards built, which no tree forward
+reproduces bit for bit.
 
-The bound (:func:`rounding_bound`). The target's logit for a token is ``z = h . w``, a dot product of length
-``d`` (the LM head's reduction size, the hidden size) whose result is stored in the logits' dtype, with unit
-roundoff ``u = eps / 2``. Between two forwards of the same node:
+The bound (:func:`rounding_bound`). A logit is a dot product ``z = sum_i h_i w_i`` of length ``d`` (the LM head's
+reduction size, the hidden size), accumulated in float32 (unit roundoff ``u32``) and stored in the target's dtype
+(unit roundoff ``u = eps / 2``). In one forward, against exact arithmetic on the same weights:
 
-- the stored logit is rounded once per forward: each of the top two logits moves by up to ``u |z|`` in each,
-  so their gap moves by up to ``2 u (|z1| + |z2|) = eps (|z1| + |z2|)``;
-- the hidden state ``h`` reaches the head rounded to the dtype after a different computation: each of its ``d``
-  elements carries its own relative rounding difference of order ``u``, unrelated from element to element, so the
-  difference in ``z`` is a sum of ``d`` terms ``h_i w_i u_i`` of random sign, of size about
-  ``u sqrt(d) rms(h_i w_i)`` (the probabilistic rounding bound of a length-``d`` dot product). The terms' scale is
-  bounded by the logit they add up to only when they share a sign; bounding ``sum |h_i w_i|`` by ``sqrt(d)``
-  times ``|z|`` covers partial cancellation, giving ``u sqrt(d) |z| / sqrt(d) * sqrt(d) = u sqrt(d) |z|`` per
-  logit, hence ``eps sqrt(d) max(|z1|, |z2|)`` for the gap... scaled by ``HIDDEN_ROUNDINGS``, the rounding steps
-  behind ``h`` that the two computations do differently (measured, see ``benchmarks/precision_flips.py``).
+- storing ``z`` rounds it once: at most ``u |z|``;
+- the hidden state ``h`` arrives rounded to the dtype: ``h_i (1 + delta_i)`` with ``|delta_i| <= u``, which moves
+  ``z`` by at most ``u sum_i |h_i w_i|``, taken as ``u |z|`` (a top logit's terms mostly share its sign);
+- accumulating ``d`` terms in float32 adds, with high probability, at most about ``sqrt(d) u32 |z|`` (the
+  probabilistic rounding bound of a length-``d`` dot product).
 
-A node is near-tied when its top-two gap is within that bound. In float32 the bound is about ``1e-7`` of the
-logits: ties there are exact ties in practice.
+Two forwards of the same node can err in opposite directions, so one logit moves by up to twice that between them,
+and the gap of the top two by up to ``(2 eps + sqrt(d) eps32) (|z1| + |z2|)``. That takes the hidden state's
+difference as one rounding, which it is not (earlier layers' differences add up), so the bound is an estimate,
+checked against every measured flip in ``benchmarks/precision_flips.py``. A node is near-tied when its top-two gap
+is within the bound. In bfloat16 that is a gap under about ``4 eps |z|`` (about 8 units in the last place of the top
+logit); in float32, a few parts in a million of the logits.
 """
 
 from __future__ import annotations

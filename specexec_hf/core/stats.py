@@ -24,8 +24,6 @@ class StepStats:
             (:func:`~specexec_hf.core.precision.greedy_choice`), by index: 0 for the choice at the root (the step's
             first new token), ``i`` for the one at the ``i``-th accepted node. Such a choice could come out either
             way in a 16-bit target, between this tree forward and a one-token forward.
-        redecided: With ``strict_ties``, the step decided only its root, alone in its forward, because the step
-            before stopped at a near-tied choice.
     """
 
     tree_size: int
@@ -36,7 +34,6 @@ class StepStats:
     path_length: int = 0
     forecast: float = 0.0
     near_tied: tuple[int, ...] = ()
-    redecided: bool = False
 
 
 @dataclass
@@ -80,13 +77,22 @@ class SpecExecStats:
 
     @property
     def near_ties(self) -> int:
-        """Walked greedy choices that were near-tied (a choice re-decided under ``strict_ties`` counts twice)."""
+        """Greedy choices the walks made at near-ties: where a 16-bit target's rounding could pick either token."""
         return sum(len(step.near_tied) for step in self.steps)
 
     @property
-    def redecided_steps(self) -> int:
-        """Steps that, under ``strict_ties``, decided one near-tied choice alone."""
-        return sum(step.redecided for step in self.steps)
+    def near_tied_positions(self) -> list[int]:
+        """The new tokens (0: the first generated) whose greedy choice was near-tied, in order.
+
+        Before the first of them, every choice had a margin wider than rounding can close, so those tokens are the
+        ones plain greedy decoding in the same dtype produces (as far as :func:`~specexec_hf.core.precision.
+        rounding_bound` holds; ``benchmarks/precision_flips.py`` checks it). From it on, the two may differ.
+        """
+        positions, start = [], 0
+        for step in self.steps:
+            positions.extend(start + index for index in step.near_tied if index < step.accepted)
+            start += step.accepted
+        return positions
 
     def summary(self) -> dict[str, float]:
         return {
@@ -99,7 +105,6 @@ class SpecExecStats:
             "target_seconds": self.target_seconds,
             "forecast_ratio": self.forecast_ratio,
             "near_ties": self.near_ties,
-            "redecided_steps": self.redecided_steps,
         }
 
     def __repr__(self) -> str:
@@ -108,6 +113,6 @@ class SpecExecStats:
             f"SpecExecStats(steps={self.target_forwards}, new_tokens={self.new_tokens}, "
             f"tokens_per_target_forward={self.tokens_per_target_forward:.2f}, draft_forwards={self.draft_forwards}, "
             f"mean_tree_size={self.mean_tree_size:.1f}, near_ties={self.near_ties}, "
-            f"redecided_steps={self.redecided_steps}, draft_seconds={self.draft_seconds:.3f}, "
+            f"draft_seconds={self.draft_seconds:.3f}, "
             f"target_seconds={self.target_seconds:.3f})"
         )

@@ -22,9 +22,8 @@ import torch
 
 from .tree import TokenTree
 
-ChooseFn = Callable[[int], "int | None"]
-"""``choose(node) -> token``: the target's choice after the path from the root to ``node``; ``None`` leaves that
-choice undecided (a near-tie to be decided by a later forward), which stops the walk there without a bonus token."""
+ChooseFn = Callable[[int], int]
+"""``choose(node) -> token``: the target's choice after the path from the root to ``node``."""
 
 
 @dataclass
@@ -33,14 +32,11 @@ class Acceptance:
 
     Args:
         path: Accepted tree nodes below the root, in order.
-        tokens: Tokens to commit: the accepted nodes' tokens, then the bonus token (none when ``undecided``).
-        undecided: The walk stopped at the last node of ``path`` (the root when ``path`` is empty) because its choice
-            was left undecided.
+        tokens: Tokens to commit: the accepted nodes' tokens, then the bonus token.
     """
 
     path: list[int]
     tokens: list[int]
-    undecided: bool = False
 
 
 def acceptance_walk(tree: TokenTree, choose: ChooseFn) -> Acceptance:
@@ -49,8 +45,6 @@ def acceptance_walk(tree: TokenTree, choose: ChooseFn) -> Acceptance:
     node, path = 0, []
     while True:
         token = choose(node)
-        if token is None:
-            return Acceptance(path, [tree_tokens[i] for i in path], undecided=True)
         child = child_of.get((node, token))
         if child is None:
             return Acceptance(path, [tree_tokens[i] for i in path] + [token])

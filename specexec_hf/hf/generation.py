@@ -133,7 +133,6 @@ def generate(
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
-    strict_ties: bool | None = None,
     tree_search: SearchFn = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -158,7 +157,7 @@ def generate(
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
-            context_match_weights, acceptance_calibration, sampled_children, strict_ties: see :class:`SpecExecConfig`;
+            context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
@@ -190,7 +189,6 @@ def generate(
         context_match_weights=context_match_weights,
         acceptance_calibration=acceptance_calibration,
         sampled_children=sampled_children,
-        strict_ties=strict_ties,
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
@@ -229,12 +227,9 @@ def generate(
     sequence = torch.cat([request.left_padding, request.input_ids], dim=-1)
     cached = 0
     finished = False
-    # strict_ties: the last step stopped before a near-tied choice; this one decides it alone, from a forward over
-    # the pending tokens only (a one-token forward, as plain decoding's), with no tree.
-    redecide = False
     while not finished:
         length = sequence.shape[1] - padding
-        depth_left = 0 if redecide else generation_config.max_length - sequence.shape[1] - 1
+        depth_left = generation_config.max_length - sequence.shape[1] - 1
         started = time.perf_counter()
         if auto_budget is not None:
             drafter.config = config.updated(budget=auto_budget.choose(depth_left))
@@ -262,22 +257,20 @@ def generate(
         verified = time.perf_counter()
 
         step_scores: list[torch.Tensor] = []
-        near_tied: list[int] = []  # indices into step_scores
+        near_tied: list[int] = []  # indices into step_scores whose choice rounding could flip (see core.precision)
         sampled_from: list[torch.Tensor] = []  # when sampling, the distribution of each choice, for the drafter
         drawn_children: dict[int, list[int]] = {}  # node -> its children's tokens, in the order they were drawn
         if sampled_children:
             for parent, token in zip(*tree.host_lists()):  # the host copy the walk reads anyway
                 drawn_children.setdefault(parent, []).append(token)
 
-        def choose(node: int) -> int | None:
+        def choose(node: int) -> int:
             scores = processor(sequence, tree, logits.row(node), [node])
             step_scores.append(scores)
             if not generation_config.do_sample:
                 token, tied = greedy_choice(scores, logits_eps, head_width).tolist()  # one host read for both
                 if tied:
                     near_tied.append(len(step_scores) - 1)
-                    if config.strict_ties and not redecide:
-                        return None  # the walk stops here; the next step decides this choice alone
                 return token
             sampled_from.append(torch.softmax(scores, dim=-1))
             if node in drawn_children:
@@ -287,22 +280,16 @@ def generate(
 
         acceptance = acceptance_walk(tree, choose)
         drafter.observe(grown, acceptance.tokens, sampled_from or None)
-        if auto_budget is not None and not redecide:  # a lone root says nothing about the draft's acceptance
+        if auto_budget is not None:
             auto_budget.observe(tree, acceptance, drafted - started)
-        # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes. A walk that
-        # stopped undecided keeps its last accepted node out of the cache (the pending token the next step decides
-        # alone), or, stopped at the root, nothing this forward wrote.
-        kept = acceptance.path[:-1] if acceptance.undecided else acceptance.path
-        if acceptance.undecided and not acceptance.path:
-            compact_cache(cache, cached, torch.empty(0, dtype=torch.long))
-        else:
-            compact_cache(cache, length, length - 1 + torch.tensor(kept, dtype=torch.long))
-            cached = length + len(kept)
+        # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
+        compact_cache(cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
+        cached = length + len(acceptance.path)
 
         # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
         extended = torch.cat([sequence, sequence.new_tensor([acceptance.tokens])], dim=-1)
         committed = 0
-        for scores, node in zip(step_scores[: len(acceptance.tokens)], [0, *acceptance.path]):
+        for scores, node in zip(step_scores, [0, *acceptance.path]):
             committed += 1
             sequence = extended[:, : extended.shape[1] - len(acceptance.tokens) + committed]
             if keep_scores:
@@ -318,7 +305,7 @@ def generate(
             if bool(stopping_criteria(sequence, scores).any()):
                 finished = True
                 break
-        if streamer is not None and committed:
+        if streamer is not None:
             streamer.put(sequence[0, -committed:].cpu())
         stats.steps.append(
             StepStats(
@@ -331,10 +318,8 @@ def generate(
                 # Node scores are cumulative log-probabilities of acceptance (the ranking's own estimate).
                 forecast=float(tree.logprobs[1:].double().exp().sum()),
                 near_tied=tuple(near_tied),
-                redecided=redecide,
             )
         )
-        redecide = acceptance.undecided
 
     if streamer is not None:
         streamer.end()
