@@ -9,12 +9,15 @@ import torch
 from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
+from test_offload import offloaded_copy, prompt
+from transformers import AutoModelForCausalLM
 
 from specexec_hf import SpecExecConfig, SpecExecStats, TokenTree
 from specexec_hf.core.static_trees import best_first_nodes
 from specexec_hf.core.verify import Acceptance
 from specexec_hf.hf import autobudget
 from specexec_hf.hf.autobudget import AcceptanceProfile, AutoBudget, ForwardProfile
+from specexec_hf.offload import load_offloaded
 
 CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -126,3 +129,72 @@ def test_config_accepts_auto_only_as_the_budget():
             SpecExecConfig(budget=bad)
     with pytest.raises(ValueError):
         SpecExecConfig(max_depth="auto")
+
+
+# A user's own from_pretrained(device_map=...) with cpu and disk entries; the embedding on disk leaves its weight on
+# the meta device, where budget="auto" used to build its timing inputs.
+OWN_DEVICE_MAP = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "disk"}
+TARGET_PLACEMENTS = [
+    *[(executor, placement) for executor in ("accelerate", "stream") for placement in ("all on disk", "cpu and disk")],
+    ("own device_map", "cpu and disk"),
+]
+
+
+def placed_target(model, executor: str, placement: str, folder: str):
+    """``model`` offloaded as ``load_offloaded`` places it, or loaded by a user with their own ``device_map``."""
+    if executor != "own device_map":
+        return offloaded_copy(model, folder, placement, executor)
+    model.save_pretrained(f"{folder}/checkpoint")
+    return AutoModelForCausalLM.from_pretrained(
+        f"{folder}/checkpoint", device_map=OWN_DEVICE_MAP, offload_folder=f"{folder}/offload",
+        attn_implementation="sdpa",
+    )
+
+
+@pytest.mark.parametrize("executor,placement", TARGET_PLACEMENTS)
+def test_auto_budget_on_offloaded_targets_keeps_greedy_output(tmp_path, executor, placement):
+    target = tiny_model("llama", seed=5)
+    draft = perturbed_copy(target, 0.05, seed=6)
+    ids = prompt(5, 6)
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+    offloaded = placed_target(target, executor, placement, str(tmp_path))
+    assert "disk" in offloaded.hf_device_map.values()
+    got = offloaded.generate(
+        ids, max_new_tokens=16, do_sample=False, assistant_model=draft, speculator="specexec", budget="auto"
+    )
+    assert got.tolist() == expected.tolist()
+
+
+def test_offloaded_copy_gets_its_own_profile(tmp_path, monkeypatch):
+    """The in-memory model's forward times say nothing about its offloaded copy's: neither reuses the other's."""
+    model = tiny_model("llama", seed=0)
+    measured = []
+    measure = autobudget.measure_forward_profile
+
+    def counted(model, sizes):
+        measured.append(model)
+        return measure(model, sizes)
+
+    monkeypatch.setattr(autobudget, "measure_forward_profile", counted)
+    autobudget.forward_profile(model, [1, 4])
+    for executor in ("accelerate", "stream"):
+        autobudget.forward_profile(offloaded_copy(model, str(tmp_path / executor), "cpu and disk", executor), [1, 4])
+    assert len(measured) == 3
+
+
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_draft_offloaded_by_accelerate_runs_where_its_hooks_compute(tmp_path, budget):
+    """A draft whose weights accelerate keeps on disk (its parameters on the meta device) grows its trees on the
+    device its hooks run it on."""
+    target = tiny_model("llama", seed=7)
+    ids = prompt(7, 5)
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+    draft = load_offloaded(
+        perturbed_copy(target, 0.05, seed=8), max_memory={"cpu": 0}, offload_folder=str(tmp_path), executor="accelerate"
+    )
+    assert draft.get_input_embeddings().weight.device.type == "meta"
+    got = target.generate(
+        ids, max_new_tokens=16, do_sample=False, assistant_model=draft, speculator="specexec", budget=budget
+    )
+    assert got.tolist() == expected.tolist()

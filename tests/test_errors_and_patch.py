@@ -119,6 +119,24 @@ def test_falcon_alibi_is_refused_up_front():
         specexec(model, model)
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_weights_left_on_the_meta_device_are_refused_before_any_forward(llama_pair, role):
+    with torch.device("meta"):
+        empty = type(llama_pair[0])(llama_pair[0].config)
+    target, draft = (empty, llama_pair[1]) if role == "target" else (llama_pair[0], empty)
+    forwards = []
+    hooks = [model.register_forward_pre_hook(lambda *_: forwards.append(1)) for model in (target, draft)]
+    try:
+        with pytest.raises(
+            UnsupportedModelError, match=rf"The {role} model .* meta device that nothing loads \(e.g. model.embed_tokens"
+        ):
+            specexec(target, draft)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not forwards
+
+
 def test_beam_search(llama_pair):
     target, draft = llama_pair
     with pytest.raises(ValueError, match="num_beams=1"):

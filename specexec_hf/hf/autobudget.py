@@ -3,8 +3,8 @@
 Sequoia's idea applied to dynamic trees. Two measurements model a step at budget ``B``:
 
 - time: the target's forward time over ``B + 1`` tokens and the draft's over ``expand_per_forward`` tokens,
-  measured once per model, device, dtype and thread count (cached in-process and on disk), with the draft's
-  forwards per tree and a running correction of the draft time from observed steps;
+  measured once per model, placement, device, dtype and thread count (cached in-process and on disk), with the
+  draft's forwards per tree and a running correction of the draft time from observed steps;
 - tokens: the expected tokens per step, ``1 + (sum of the B best node values)`` under the running per-rank
   acceptance profile (how often the target's choice was the draft's rank-r child). Under that model the best
   tree of any size is its best nodes (see :class:`specexec_hf.core.static_trees.SequoiaSearch`), which is what
@@ -22,6 +22,7 @@ import os
 import platform
 import time
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from ..core.static_trees import best_first_nodes
 from ..core.tree import TokenTree
 from ..core.verify import Acceptance
 from .cache_dir import cache_root
-from .compat import model_logits, node_logits
+from .compat import execution_device, model_logits, node_logits
 from .kv import compact_cache, new_cache
 
 DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -77,7 +78,7 @@ def measure_forward_profile(
         repeats: Most timed forwards per count; the fastest is kept, since interference only adds time.
         enough_seconds: A count stops repeating once its runs took this long (slow forwards vary little).
     """
-    device = model.get_input_embeddings().weight.device
+    device = execution_device(model)  # an offloaded embedding's weights are on the meta device
     vocab = model.config.vocab_size
     cache = new_cache()
     context = torch.arange(PROFILE_CONTEXT, device=device) % vocab
@@ -90,8 +91,9 @@ def measure_forward_profile(
         runs: list[float] = []
         while len(runs) < repeats and sum(runs) < enough_seconds:
             started = time.perf_counter()
-            # As in a SpecExec step: the tree forward, then the logits of the nodes the walk visits (about one).
-            node_logits(model, tokens, positions, cache, size, visible).row(0)
+            # As in a SpecExec step: the tree forward, then the logits of the nodes the walk visits (about one),
+            # read on the host, which also waits for an accelerator's queued work.
+            node_logits(model, tokens, positions, cache, size, visible).row(0).argmax().item()
             runs.append(time.perf_counter() - started)
             compact_cache(cache, PROFILE_CONTEXT, torch.empty(0, dtype=torch.long))
         seconds[size] = min(runs)
@@ -102,13 +104,13 @@ _profiles: dict[str, ForwardProfile] = {}
 
 
 def _profile_key(model: PreTrainedModel, sizes: Sequence[int]) -> str:
-    parameter = model.get_input_embeddings().weight
     return "|".join(
         [
             str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
             f"{sum(p.numel() for p in model.parameters())} params",
-            str(parameter.dtype),
-            str(parameter.device),
+            str(model.get_input_embeddings().weight.dtype),
+            str(execution_device(model)),
+            _placement(model),
             f"{torch.get_num_threads()} threads",
             platform.machine(),
             platform.processor() or platform.node(),
@@ -117,8 +119,20 @@ def _profile_key(model: PreTrainedModel, sizes: Sequence[int]) -> str:
     )
 
 
+def _placement(model: PreTrainedModel) -> str:
+    """Where the weights live and how many accelerate's hooks fetch per forward (those left on the meta device):
+    the same model times differently in memory, under accelerate's hooks and under a streaming executor."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return "in memory"
+    units = Counter(str(where) for where in device_map.values())
+    offloaded = sum(parameter.device.type == "meta" for parameter in model.parameters())
+    return f"device map {dict(sorted(units.items()))}, {offloaded} tensors on meta"
+
+
 def forward_profile(model: PreTrainedModel, sizes: Sequence[int], use_disk: bool = True) -> ForwardProfile:
-    """``model``'s forward-time profile, measured on first use and cached per model, device, dtype and threads.
+    """``model``'s forward-time profile, measured on first use and cached per model, placement (in memory or
+    offloaded, and how), execution device, dtype and threads.
 
     The disk cache is ``<cache_root()>/forward_profiles.json`` (``$SPECEXEC_HF_CACHE`` moves it); delete it
     to re-measure after a hardware change.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -65,6 +66,14 @@ def check_supported(model: PreTrainedModel, role: str) -> None:
     if reason:
         raise UnsupportedModelError(f"{name} {reason}, so a token scored inside a tree would not see what it sees "
                                     "in sequence. SpecExec needs attention driven by 4-D masks and position_ids.")
+    unloaded = _weight_without_data(model)
+    if unloaded:
+        raise UnsupportedModelError(
+            f"{name} has weights on the meta device that nothing loads (e.g. {unloaded}): it was built under "
+            "torch.device('meta') or init_empty_weights() and never given its weights. Load them (from_pretrained "
+            "without device_map='meta', or to_empty() then load_state_dict()), or dispatch it with accelerate "
+            "(specexec_hf.load_offloaded, or from_pretrained with a device_map), whose hooks load offloaded weights."
+        )
     if config.model_type not in VERIFIED_MODEL_TYPES:
         failure = _tree_attention_probe(model)
         if failure:
@@ -73,6 +82,24 @@ def check_supported(model: PreTrainedModel, role: str) -> None:
                 "attention does not honour custom 4-D masks and position_ids the way SpecExec needs. Verified "
                 "families: " + ", ".join(sorted(VERIFIED_MODEL_TYPES)) + "."
             )
+
+
+def _weight_without_data(model: PreTrainedModel) -> str | None:
+    """The name of a parameter or buffer on the meta device that no accelerate offloading hook (on its module or an
+    ancestor) loads before the forward, if any: a forward would fail on it deep inside torch."""
+    loading: set[str] = set()  # modules whose hooks load the weights below them
+    for module_name, module in model.named_modules():  # parents before children
+        hook = getattr(module, "_hf_hook", None)
+        if any(getattr(each, "offload", False) for each in getattr(hook, "hooks", [hook])):  # SequentialHook chains
+            loading.add(module_name)
+        parts = module_name.split(".") if module_name else []
+        if any(".".join(parts[:end]) in loading for end in range(len(parts) + 1)):
+            continue
+        tensors = itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        for tensor_name, tensor in tensors:
+            if tensor.device.type == "meta":
+                return f"{module_name}.{tensor_name}" if module_name else tensor_name
+    return None
 
 
 def _position_blind_attention(config: Any) -> str | None:
@@ -310,10 +337,16 @@ def _batch_of_one(values: torch.Tensor | None) -> torch.Tensor | None:
     return None if values is None else values[None]
 
 
-def _compute_device(model: PreTrainedModel) -> torch.device:
+def execution_device(model: PreTrainedModel) -> torch.device:
+    """Where ``model`` takes its inputs: its input embedding's device, or where accelerate runs that embedding
+    when its weights are offloaded (left on the meta device), which is the first accelerator in ``hf_device_map``,
+    else the CPU, as ``accelerate.dispatch_model`` chooses it."""
     device = model.get_input_embeddings().weight.device
-    # Offloaded to disk: accelerate's hooks move inputs to where each layer runs.
-    return torch.device("cpu") if device.type == "meta" else device
+    if device.type != "meta":
+        return device
+    placements = (getattr(model, "hf_device_map", None) or {}).values()
+    accelerator = next((where for where in placements if where not in ("cpu", "disk")), None)
+    return torch.device("cpu") if accelerator is None else torch.device(accelerator)
 
 
 def _probe_key(model: PreTrainedModel, device: torch.device, probe: str) -> tuple:
@@ -341,7 +374,7 @@ def _masked_tokens_probe(model: PreTrainedModel) -> str:
     """Decodes a few tokens after a prompt with masked tokens with plain ``generate()``, scores the same sequence
     the way SpecExec does (masked keys hidden from every query, ``generate()``'s positions) and returns why their
     logits differ ("" when they match)."""
-    device = _compute_device(model)
+    device = execution_device(model)
     key = _probe_key(model, device, "masked tokens")
     if key in _probe_verdicts:
         return _probe_verdicts[key]
@@ -385,7 +418,7 @@ def _tree_attention_probe(model: PreTrainedModel) -> str:
     branches at the root, a second level with two siblings and a third level, so a mask or position that
     follows cache slots instead of each node's own path shows. Verdicts are cached per configuration.
     """
-    device = _compute_device(model)
+    device = execution_device(model)
     key = _probe_key(model, device, "tree")
     if key in _probe_verdicts:
         return _probe_verdicts[key]

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from .attention_spans import attention_spans
-from .compat import logits_width
+from .compat import execution_device, logits_width
 
 # generate()'s own decoding bookkeeping and output flags, which SpecExec's loop replaces or honours itself.
 REPLACED_INPUTS = frozenset({
@@ -237,7 +237,7 @@ def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: in
     Raises:
         ValueError: naming the memory needed, what is free and the largest budget that fits.
     """
-    available = _free_bytes(model.get_input_embeddings().weight.device)
+    available = _free_bytes(execution_device(model))
     if available is None:
         return
 

@@ -16,7 +16,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from .compat import use_sdpa_attention
+from .compat import execution_device, use_sdpa_attention
 
 SELF_DRAFTS = {"self:int4": 4, "self:int8": 8}
 """The draft names :func:`resolve_draft` accepts, with their weight bits."""
@@ -26,13 +26,6 @@ SELF_DRAFT_ATTRIBUTE = "specexec_self_draft"
 _QUANTO_HINT = "pip install 'specexec-hf[quanto]' (or pip install optimum-quanto)"
 # Per target, its self-drafts by bits: built once, so their online acceptance maps carry over between calls.
 _built: weakref.WeakKeyDictionary[PreTrainedModel, dict[int, PreTrainedModel]] = weakref.WeakKeyDictionary()
-
-
-def execution_device(target: PreTrainedModel) -> torch.device:
-    """Where ``target`` computes: the accelerator an offloaded target streams its weights to, else its device."""
-    placements = getattr(target, "hf_device_map", None) or {}
-    accelerator = next((where for where in placements.values() if where not in ("cpu", "disk")), None)
-    return torch.device(accelerator) if accelerator is not None else target.device
 
 
 def self_draft(target: PreTrainedModel, bits: int = 4, device: torch.device | str | None = None) -> PreTrainedModel:
