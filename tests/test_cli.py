@@ -128,6 +128,7 @@ def test_offloaded_target_is_not_loaded_in_memory_for_a_draft_directory(pair, mo
         (["--offload-folder", "somewhere"], "add --offload"),
         (["--target", "TARGET"], "--target needs --draft"),
         (["--target", "TARGET", "--draft", "default"], "distilled for the default target"),
+        (["--draft", "truncated:many"], "takes a positive number of layers"),
     ],
 )
 def test_options_that_do_not_go_together_are_refused_before_loading(options, message):

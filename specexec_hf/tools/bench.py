@@ -476,6 +476,10 @@ def load_models(
     if draft_name == "default" and args.target is not None:
         raise SystemExit(f"--draft default was distilled for the default target ({DEFAULT_TARGET_NAME}); with "
                          f"--target give a draft for that target: {DRAFT_KINDS_HELP}.")
+    if draft_name is not None and draft_name.startswith("truncated:"):
+        layers = draft_name.removeprefix("truncated:")
+        if not layers.isdigit() or int(layers) < 1:
+            raise SystemExit(f"--draft {draft_name}: truncated:N takes a positive number of layers, e.g. truncated:4.")
     from_target = draft_name is not None and (
         draft_name in TARGET_BASED_DRAFTS or draft_name.startswith("truncated:") or draft_name.endswith(".safetensors")
     )
