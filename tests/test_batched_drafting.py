@@ -1,4 +1,5 @@
-"""grow_trees: several requests' trees grown with shared, batched draft forwards equal the trees grown one by one."""
+"""grow_trees: several requests' trees grown with shared, batched draft forwards equal the trees grown one by one,
+whatever each request's tree policy."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_cache import assert_cache_prefix_equal, recomputed_cache
 
-from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
-from specexec_hf.core.static_trees import SpecInferSearch
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_tree, grow_trees
+from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
+
+POLICIES = [grow_tree, SpecInferSearch(), SpecInferSearch(beams=2), SequoiaSearch([0.6, 0.25, 0.1])]
 
 
 def assert_same_tree(batched, alone) -> None:
@@ -33,8 +36,9 @@ def test_batched_trees_and_caches_equal_trees_grown_alone(
 ):
     draft = tiny_model(arch, seed=seed)
     config = SpecExecConfig(budget=budget, expand_per_forward=expand_per_forward, max_depth=6)
-    batched = [SpecExecCandidateGenerator(draft, config) for _ in lengths]
-    alone = [SpecExecCandidateGenerator(draft, config) for _ in lengths]
+    policies = [data.draw(st.sampled_from(POLICIES)) for _ in lengths]
+    batched = [SpecExecCandidateGenerator(draft, config, search=policy) for policy in policies]
+    alone = [SpecExecCandidateGenerator(draft, config, search=policy) for policy in policies]
     rng = torch.Generator().manual_seed(seed)
     histories = [torch.randint(0, 64, (1, n), generator=rng) for n in lengths]
     for _ in range(steps):
@@ -64,7 +68,7 @@ def test_requests_of_equal_length_share_every_draft_call():
     assert batch.draft_calls == max(result.draft_forwards for result in batch.results) > 1
 
 
-def test_grow_trees_rejects_shared_generators_and_baseline_policies():
+def test_grow_trees_rejects_shared_generators():
     draft = tiny_model("llama", seed=0)
     generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8))
     history = torch.tensor([[1, 2, 3]])
@@ -73,7 +77,4 @@ def test_grow_trees_rejects_shared_generators_and_baseline_policies():
     other_draft = SpecExecCandidateGenerator(tiny_model("llama", seed=1), SpecExecConfig(budget=8))
     with pytest.raises(ValueError, match="one generator per request"):
         grow_trees([(generator, history, None), (other_draft, history, None)])
-    baseline = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8), search=SpecInferSearch(beams=2))
-    with pytest.raises(ValueError, match="best-first"):
-        grow_trees([(baseline, history, None)])
     assert grow_trees([]).results == []

@@ -80,7 +80,7 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
     path = tree.path(deep)[:-1]  # interior nodes were fed to the draft
     assert path, "the tree should be deeper than one level"
     fed_before = generator.cache.get_seq_length()
-    generator._sync_cache(torch.cat([history[0], tree.tokens[path], torch.tensor([9])]).tolist())
+    generator.draft_cache.sync(torch.cat([history[0], tree.tokens[path], torch.tensor([9])]).tolist())
     assert generator.cached_ids == history[0].tolist() + tree.tokens[path].tolist()
     assert generator.cache.get_seq_length() == len(generator.cached_ids) < fed_before
 
