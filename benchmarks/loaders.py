@@ -43,6 +43,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+READS_INTO = {
+    "runai": "its own buffer, then copied",
+    "fastsafetensors": "its own buffers, whole file",
+    "instanttensor": "its own buffers, whole file",
+}
 GiB = 2**30
 MiB = 2**20
 
@@ -334,7 +339,7 @@ def main() -> None:
             "runs_s": runs,
             "gb_per_s": moved / seconds / 1e9 if seconds else None,
             "bytes": moved,
-            "into_caller_buffers": not whole_file,
+            "reads_into": READS_INTO.get(name.split()[0], "the caller's buffer"),
             "cached_before": max(cached) if cached else None,
             "correct": correct,
             "error": error,
@@ -364,16 +369,17 @@ def write_results(args, path: Path, size: int, ranges, results) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| method | GB/s | s (median) | into caller buffers | bytes checked | error |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| method | GB/s | s (median) | runs (s) | reads into | bytes checked | error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for result in results:
         rate = f"{result['gb_per_s']:.2f}" if result["gb_per_s"] else "-"
         seconds = f"{result['seconds']:.2f}" if result["seconds"] else "-"
         checked = {True: "equal", False: "DIFFER", None: "-"}[result["correct"]]
+        runs = ", ".join(f"{run:.2f}" for run in result["runs_s"]) or "-"
         lines.append(
-            f"| {result['method']} | {rate} | {seconds} | {'yes' if result['into_caller_buffers'] else 'no (own buffers, whole file)'} "
-            f"| {checked} | {result['error'] or ''} |"
+            f"| {result['method']} | {rate} | {seconds} | {runs} | {result['reads_into']} | {checked} "
+            f"| {result['error'] or ''} |"
         )
     (args.out / "loaders.md").write_text("\n".join(lines) + "\n")
 

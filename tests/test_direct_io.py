@@ -234,12 +234,27 @@ def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path,
 )
 @settings(max_examples=20)
 def test_direct_reads_give_logits_bit_equal_to_the_in_memory_model(
-    tmp_path_factory, monkeypatch, dtype, stored, num_layers, vocab_size, prefetch, direct, seed
+    tmp_path_factory, dtype, stored, num_layers, vocab_size, prefetch, direct, seed
 ):
     """Over dtypes, shapes, ring sizes, checkpoint or offload folder, with O_DIRECT and through the fallback."""
-    folder = tmp_path_factory.mktemp("model")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if not direct:
+            monkeypatch.setattr(stream_module, "WeightFile", lambda path: WeightFile(path, direct=False))
+        streamed, reference = streamed_and_reference(
+            tmp_path_factory.mktemp("model"), dtype, stored, num_layers, vocab_size, prefetch, seed
+        )
+    streamer = layer_streamer(streamed)
+    assert streamer is not None
     if not direct:
-        monkeypatch.setattr(stream_module, "WeightFile", lambda path: WeightFile(path, direct=False))
+        assert not any(file.direct for _, plan in streamer._units for file in plan.files)
+    with torch.no_grad():
+        for length in (5, 1, 3):  # later forwards run from buffers read ahead
+            tokens = ids(length, vocab_size)
+            assert torch.equal(streamed(tokens).logits, reference(tokens).logits)
+
+
+def streamed_and_reference(folder, dtype, stored, num_layers, vocab_size, prefetch, seed):
+    """A streamed tiny model, read from a safetensors checkpoint or an offload folder, and the same in memory."""
     if stored == "offload folder":
         reference = tiny_model("llama", seed=seed, num_layers=num_layers, vocab_size=vocab_size, dtype=dtype)
         streamed = load_offloaded(copy.deepcopy(reference), max_memory={"cpu": 0}, offload_folder=folder,
@@ -249,13 +264,7 @@ def test_direct_reads_give_logits_bit_equal_to_the_in_memory_model(
         checkpoint(folder, saved, num_layers, vocab_size, seed)
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         streamed = load_offloaded(folder, max_memory={"cpu": 0}, dtype=dtype, prefetch=prefetch)
-    streamer = layer_streamer(streamed)
-    assert streamer is not None
-    assert all(file.direct == direct for _, plan in streamer._units for file in plan.files) or not direct
-    with torch.no_grad():
-        for length in (5, 1, 3):  # later forwards run from buffers read ahead
-            tokens = ids(length, vocab_size)
-            assert torch.equal(streamed(tokens).logits, reference(tokens).logits)
+    return streamed, reference
 
 
 def test_load_offloaded_streams_by_default(tmp_path):
