@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import math
 
+import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specexec_hf import SpecExecStats
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, SpecExecStats
+from specexec_hf.core.acceptance_map import AcceptanceMap
 from specexec_hf.core.static_trees import (
     SequoiaSearch,
     SpecInferSearch,
@@ -59,6 +61,18 @@ def test_draft_equal_to_target_accepts_the_rank0_chain_of_a_static_tree():
     )
     # Three chains of four: the rank-0 chain is accepted whole, plus the bonus token.
     assert [step.accepted for step in stats.steps[:-1]] == [5] * (len(stats.steps) - 1)
+
+
+def test_the_drafter_refuses_what_a_static_policy_cannot_do():
+    draft = tiny_model("llama", seed=0)
+    config = SpecExecConfig(budget=8)
+    assert not SpecInferSearch().ranks_children and not SequoiaSearch([0.5]).draws_children
+    with pytest.raises(ValueError, match="fixes by its shape"):
+        SpecExecCandidateGenerator(draft, config, search=SpecInferSearch(), acceptance_map=AcceptanceMap())
+    with pytest.raises(ValueError, match="takes by draft rank"):
+        SpecExecCandidateGenerator(draft, config, search=SequoiaSearch([0.5]), sampled_children=True)
+    with pytest.raises(TypeError, match="SearchPolicy"):
+        SpecExecCandidateGenerator(draft, config, search=lambda root_token, expand, config: None)
 
 
 @given(budget=st.integers(1, 60), max_depth=st.integers(1, 12), beams=st.none() | st.integers(1, 8))

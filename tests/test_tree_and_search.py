@@ -1,4 +1,4 @@
-"""Framework-free properties of TokenTree, the best-first search and the acceptance walk."""
+"""Framework-free properties of TokenTree, the tree-search policies and the acceptance walk."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from specexec_hf import SpecExecConfig, TokenTree, acceptance_walk, grow_tree
 from specexec_hf.core.search import BestFirstSearch, rank_nodes
+from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
 
 
 @st.composite
@@ -131,6 +132,30 @@ def test_search_only_stops_when_no_expansion_could_help(config, seed, sharpness,
             continue
         # An unexpanded kept node may only remain if the tree is full and its children could not outrank the worst.
         assert full and float(tree.logprobs[index]) <= worst
+
+
+@given(
+    st.sampled_from([grow_tree, SpecInferSearch(), SpecInferSearch(beams=2), SequoiaSearch([0.7, 0.2, 0.1])]),
+    search_configs,
+    st.integers(0, 2**16),
+    st.integers(2, 30),
+)
+def test_every_policy_expands_the_root_first_and_nodes_after_their_ancestors(policy, config, seed, vocab):
+    """What the shared drafting needs of any policy: the first forward expands the root alone (it also feeds the
+    draft the history) and a node only once all its ancestors were (the draft attends to their cache entries); the
+    kept tree is the pool's selection, within the budget and the depth limit."""
+    calls = []
+    result = policy(3, table_expand(vocab, seed, 2.0, calls), config)
+    assert calls[0][2].tolist() == [0]
+    expanded: set[int] = set()
+    for _, _, nodes, _ in calls:
+        for node in nodes.tolist():
+            assert node not in expanded and {0, *result.pool.path(node)[:-1]} <= expanded | {node}
+        expanded |= set(nodes.tolist())
+    assert result.draft_forwards == len(calls)
+    tree = result.tree
+    assert torch.equal(result.pool.select(result.pool_index).tokens, tree.tokens)
+    assert tree.num_nodes <= config.budget + 1 and int(tree.depths.max()) <= config.max_depth
 
 
 def test_search_expands_in_batches_of_the_best_frontier():

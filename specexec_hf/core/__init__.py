@@ -1,8 +1,9 @@
 """The SpecExec algorithm as small torch functions over a :class:`TokenTree`; no transformers here.
 
 - :mod:`.tree`: the token tree (parents-first nodes, depths, cumulative draft log-probs, ancestor masks);
-- :mod:`.search`: SpecExec's best-first tree growth (a ``SearchFn``); :mod:`.static_trees`: SpecInfer- and
-  Sequoia-style trees behind the same interface, the place for further tree policies;
+- :mod:`.search`: the tree-search protocol (``SearchPolicy`` starts a step-by-step ``TreeSearch``) and SpecExec's
+  best-first growth (``grow_tree``); :mod:`.static_trees`: SpecInfer- and Sequoia-style policies on the same
+  protocol; further tree policies go beside them;
 - :mod:`.verify`: the acceptance walk of the target's own choices down the tree, and recursive rejection sampling
   for drawn children;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
@@ -13,10 +14,21 @@
 from .config import SpecExecConfig
 from .context_match import ContextIndex, mix_context_guesses
 from .masks import additive_mask, chain_and_tree_mask
-from .search import BestFirstSearch, ExpandFn, SearchFn, SearchResult, TopCandidates, grow_tree
+from .search import (
+    BestFirstPolicy,
+    BestFirstSearch,
+    ExpandFn,
+    SearchFn,
+    SearchPolicy,
+    SearchResult,
+    TopCandidates,
+    TreeSearch,
+    grow_tree,
+)
 from .static_trees import (
     SequoiaSearch,
     SpecInferSearch,
+    StaticTreeFill,
     StaticTreeSearch,
     TreeShape,
     best_first_nodes,
@@ -27,19 +39,23 @@ from .verify import Acceptance, acceptance_walk, rejection_chain, rejection_samp
 
 __all__ = [
     "Acceptance",
+    "BestFirstPolicy",
     "BestFirstSearch",
     "ContextIndex",
     "ExpandFn",
     "SearchFn",
+    "SearchPolicy",
     "SearchResult",
     "SequoiaSearch",
     "SpecExecConfig",
     "SpecExecStats",
     "SpecInferSearch",
+    "StaticTreeFill",
     "StaticTreeSearch",
     "StepStats",
     "TokenTree",
     "TopCandidates",
+    "TreeSearch",
     "TreeShape",
     "acceptance_walk",
     "additive_mask",

@@ -1,7 +1,13 @@
-"""SpecExec tree growth: best-first search over cumulative draft log-probability.
+"""Tree growth: the protocol every tree policy implements, and SpecExec's best-first search.
 
-The search keeps a pool of candidate nodes and, within it, the ``budget + 1`` best (the root included),
-ranked by cumulative log-prob with ties going to the lower index. A child's cumulative log-prob never exceeds
+A policy (:class:`SearchPolicy`) starts one :class:`TreeSearch` per tree; the search is driven step by step:
+``next_nodes()`` names the pool nodes the draft should expand, ``add_expansion()`` takes the draft's answer, and
+``result()`` gives the tree. Whoever drives it owns the draft forwards, so one tree (a callback loop, the policy's
+``__call__``) and a batch of trees (one batched forward per round: ``hf.candidate_generator.grow_trees``)
+are driven alike whatever the policy. Policies differ in what an expansion may carry, said by capability flags.
+
+SpecExec's best-first search keeps a pool of candidate nodes and, within it, the ``budget + 1`` best (the root
+included), ranked by cumulative log-prob with ties going to the lower index. A child's cumulative log-prob never exceeds
 its parent's and a child's index always exceeds its parent's, so that ranking puts every parent ahead of its
 children: the kept set is always a tree. Each draft forward expands the best kept nodes not yet expanded; the
 search stops when none of them could still produce a child that ranks inside the budget.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,14 +39,16 @@ class TopCandidates:
     scores: torch.Tensor
 
 
+DeviceLike = torch.device | str | None
+"""Where a tree's tensors live (``None``: the default device)."""
+
 ExpandFn = Callable[[TokenTree, torch.Tensor], "torch.Tensor | TopCandidates"]
 """``expand(pool, nodes) -> logprobs``: the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes`` (or, for
-:class:`BestFirstSearch`, their best children as :class:`TopCandidates`)."""
+a policy that ``ranks_children``, their best children as :class:`TopCandidates`)."""
 
 SearchFn = Callable[..., "SearchResult"]
-"""``search(root_token, expand, config, max_depth=None, device=None) -> SearchResult``: a tree-growth policy.
-``grow_tree`` is SpecExec's; other policies (static trees, independent beams) plug into the same drafting and
-verification machinery through ``SpecExecCandidateGenerator(..., search=...)``."""
+"""``search(root_token, expand, config, max_depth=None, device=None) -> SearchResult``: what calling a
+:class:`SearchPolicy` does."""
 
 
 @dataclass
@@ -59,17 +68,91 @@ class SearchResult:
     draft_forwards: int
 
 
+class TreeSearch(Protocol):
+    """One tree's growth, driven step by step; what every policy's :meth:`SearchPolicy.start` returns.
+
+    ``pool`` is the candidate pool grown so far (node 0 is the root); the draft attends to it when it expands nodes.
+    """
+
+    pool: TokenTree
+
+    def next_nodes(self) -> torch.Tensor | None:
+        """The pool nodes the next draft forward expands, or ``None`` once the tree is done."""
+        ...
+
+    def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor | TopCandidates) -> None:
+        """Takes the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes`` (or, when the policy
+        ``ranks_children``, their children already chosen) and grows the pool."""
+        ...
+
+    def result(self) -> SearchResult:
+        """The kept tree, re-indexed root first, and the pool it came from."""
+        ...
+
+
+class SearchPolicy:
+    """A tree-growth policy: starts one :class:`TreeSearch` per tree and says what its expansions may carry.
+
+    A new policy subclasses this and defines :meth:`start`; drafting, batching, verification and the KV caches are
+    shared, so the output stays exact whatever tree it grows.
+
+    Attributes:
+        ranks_children: ``add_expansion`` takes each node's children already chosen and scored
+            (:class:`TopCandidates`), so the drafter may rank them by estimated acceptance instead of draft
+            probability. A policy that fixes which rank goes where (a static shape) cannot.
+        draws_children: The chosen children may be a draw from the draft rather than its top tokens (for a
+            sampling target verifying them by rejection sampling); implies ``ranks_children``.
+    """
+
+    ranks_children: bool = False
+    draws_children: bool = False
+
+    def start(
+        self, root_token: int, config: SpecExecConfig, max_depth: int | None = None, device: DeviceLike = None
+    ) -> TreeSearch:
+        """A new search for the tree under ``root_token``.
+
+        Args:
+            root_token: The last committed token.
+            config: The tree-growth knobs; ``budget`` and ``depth_limit`` bind every policy.
+            max_depth: Tighter depth limit for this tree (e.g. the tokens still allowed, minus the bonus token).
+            device: Where the tree's tensors live.
+        """
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        root_token: int,
+        expand: ExpandFn,
+        config: SpecExecConfig,
+        max_depth: int | None = None,
+        device: DeviceLike = None,
+    ) -> SearchResult:
+        """Grows one tree under ``root_token``, calling ``expand`` once per draft forward.
+
+        Args:
+            root_token: The last committed token.
+            expand: Runs the draft on a batch of pool nodes and returns their next-token log-probs.
+            config: The tree-growth knobs.
+            max_depth: Tighter depth limit for this tree.
+            device: Where the tree's tensors live.
+        """
+        search = self.start(root_token, config, max_depth, device)
+        while (nodes := search.next_nodes()) is not None:
+            search.add_expansion(nodes, expand(search.pool, nodes))
+        return search.result()
+
+
 def rank_nodes(logprobs: torch.Tensor) -> torch.Tensor:
     """Node indices best first: higher cumulative log-prob first, lower index first among equals."""
     return torch.argsort(-logprobs, stable=True)
 
 
 class BestFirstSearch:
-    """SpecExec's tree growth, one draft forward at a time.
+    """SpecExec's tree growth, one draft forward at a time (a :class:`TreeSearch`; its policy is :data:`grow_tree`).
 
     ``next_nodes()`` names the pool nodes the draft should expand next (``None`` once the search is done) and
-    ``add_expansion()`` takes their next-token log-probs. :func:`grow_tree` drives one search through a callback;
-    a caller holding several searches can serve all their requests with one batched draft forward per round.
+    ``add_expansion()`` takes their next-token log-probs, or their children already chosen (:class:`TopCandidates`).
 
     Args:
         root_token: The last committed token.
@@ -79,11 +162,7 @@ class BestFirstSearch:
     """
 
     def __init__(
-        self,
-        root_token: int,
-        config: SpecExecConfig,
-        max_depth: int | None = None,
-        device: torch.device | str | None = None,
+        self, root_token: int, config: SpecExecConfig, max_depth: int | None = None, device: DeviceLike = None
     ):
         self.config = config
         self.depth_limit = config.depth_limit(max_depth)
@@ -147,23 +226,18 @@ class BestFirstSearch:
         return SearchResult(self.pool.select(pool_index), self.pool, pool_index, self.forwards)
 
 
-def grow_tree(
-    root_token: int,
-    expand: ExpandFn,
-    config: SpecExecConfig,
-    max_depth: int | None = None,
-    device: torch.device | str | None = None,
-) -> SearchResult:
-    """Grows the SpecExec tree under ``root_token``, calling ``expand`` once per draft forward.
+class BestFirstPolicy(SearchPolicy):
+    """SpecExec's policy: :class:`BestFirstSearch`, whose children may be ranked by estimated acceptance and drawn."""
 
-    Args:
-        root_token: The last committed token.
-        expand: Runs the draft on a batch of pool nodes and returns their next-token log-probs.
-        config: ``budget``, ``max_depth``, ``max_branch``, ``expand_per_forward`` and ``max_draft_forwards``.
-        max_depth: Tighter depth limit for this tree (e.g. the tokens still allowed, minus the bonus token).
-        device: Where the tree's tensors live.
-    """
-    search = BestFirstSearch(root_token, config, max_depth, device)
-    while (nodes := search.next_nodes()) is not None:
-        search.add_expansion(nodes, expand(search.pool, nodes))
-    return search.result()
+    ranks_children = True
+    draws_children = True
+
+    def start(
+        self, root_token: int, config: SpecExecConfig, max_depth: int | None = None, device: DeviceLike = None
+    ) -> BestFirstSearch:
+        return BestFirstSearch(root_token, config, max_depth, device)
+
+
+grow_tree = BestFirstPolicy()
+"""SpecExec's tree growth, the default policy: ``grow_tree(root_token, expand, config, max_depth=None, device=None)``
+grows one tree through the ``expand`` callback; ``grow_tree.start(...)`` gives the step-by-step search."""

@@ -1,9 +1,11 @@
 """Baseline tree-growth policies for benchmarks: a SpecInfer-style tree and a Sequoia-style static tree.
 
 Both are *static* trees: the shape (which node hangs under which parent, as the draft's rank-r choice there) is
-fixed before drafting, and the draft only fills in the tokens. They plug into ``generate(tree_search=...)``
-like SpecExec's ``grow_tree``, so drafting, verification and the KV caches are shared and only the policy
-differs. The fill expands one tree level per draft forward, all of that level's parents in one batched call.
+fixed before drafting, and the draft only fills in the tokens. They are :class:`~.search.SearchPolicy` objects
+like SpecExec's ``grow_tree``, so ``generate(tree_search=...)``, batched drafting, verification and the KV caches
+are shared and only the policy differs. The fill (:class:`StaticTreeFill`) expands one tree level per draft
+forward, all of that level's parents in one batched call. The shape fixes each child's rank, so an acceptance map
+cannot re-rank the children and they cannot be drawn (both capability flags stay off).
 
 - SpecInfer (Miao et al., 2024), expansion-based construction ``<k, 1, 1, ...>``: the draft's top-k tokens
   under the root, each continued greedily, i.e. k independent draft beams merged at the root.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SpecExecConfig
-from .search import ExpandFn, SearchResult
+from .search import DeviceLike, SearchPolicy, SearchResult, TopCandidates
 from .tree import TokenTree
 
 
@@ -63,15 +65,15 @@ class TreeShape:
         return len(self.parents)
 
 
-class StaticTreeSearch:
-    """A tree-growth policy (a ``SearchFn``) that fills a precomputed shape with the draft's ranked tokens.
+class StaticTreeSearch(SearchPolicy):
+    """A tree-growth policy that fills a precomputed shape with the draft's ranked tokens.
 
-    Subclasses define ``shape(budget, max_depth)``; shapes are cached per ``(budget, max_depth)`` because the
-    depth limit only changes near the end of a generation.
+    Subclasses define ``shape(budget, max_depth, vocab_size)``; shapes are cached per ``(budget, max_depth,
+    vocab_size)`` because the depth limit only changes near the end of a generation.
     """
 
     def __init__(self) -> None:
-        self._shapes: dict[tuple[int, int], TreeShape] = {}
+        self._shapes: dict[tuple[int, int, int], TreeShape] = {}
 
     def shape(self, budget: int, max_depth: int, vocab_size: int) -> TreeShape:
         """The shape with at most ``budget`` nodes below the root and at most ``max_depth`` levels.
@@ -83,56 +85,92 @@ class StaticTreeSearch:
         """
         raise NotImplementedError
 
-    def __call__(
+    def cached_shape(self, budget: int, max_depth: int, vocab_size: int) -> TreeShape:
+        """:meth:`shape`, computed once per ``(budget, max_depth, vocab_size)`` (one policy may serve drafts of
+        other vocabularies)."""
+        key = (budget, max_depth, vocab_size)
+        if key not in self._shapes:
+            self._shapes[key] = self.shape(budget, max_depth, vocab_size)
+        return self._shapes[key]
+
+    def start(
+        self, root_token: int, config: SpecExecConfig, max_depth: int | None = None, device: DeviceLike = None
+    ) -> StaticTreeFill:
+        return StaticTreeFill(self, root_token, config, max_depth, device)
+
+
+class StaticTreeFill:
+    """One static tree's fill (a :class:`~.search.TreeSearch`): one draft forward per level with children.
+
+    The root's expansion (which also feeds the draft the unseen history) tells the vocabulary size and so the
+    shape; each later expansion fills the next level's children with the draft's tokens of the shape's ranks.
+
+    Args:
+        policy: Gives the shape for ``config.budget`` and the depth limit.
+        root_token: The last committed token.
+        config: ``budget`` and ``max_depth`` (``max_branch`` and ``expand_per_forward`` belong to SpecExec).
+        max_depth: Tighter depth limit for this tree.
+        device: Where the tree's tensors live.
+    """
+
+    def __init__(
         self,
+        policy: StaticTreeSearch,
         root_token: int,
-        expand: ExpandFn,
         config: SpecExecConfig,
         max_depth: int | None = None,
-        device: torch.device | str | None = None,
-    ) -> SearchResult:
-        """Fills the shape for ``config.budget`` level by level, one draft forward per level with children.
+        device: DeviceLike = None,
+    ):
+        self.policy = policy
+        self.budget = config.budget
+        self.depth_limit = config.depth_limit(max_depth)
+        self.pool = TokenTree.from_root(root_token, device=device)
+        self.forwards = 0
+        self.parents: torch.Tensor | None = None  # the shape's, once the vocabulary size is known
+        self.ranks: torch.Tensor | None = None
+        # The nodes the next forward expands; none when there is no room for draft tokens (the target then adds its
+        # bonus token alone).
+        self.level = torch.zeros(1, dtype=torch.long, device=self.pool.device) if self.depth_limit >= 1 else None
+
+    def next_nodes(self) -> torch.Tensor | None:
+        """The current level's parents, or ``None`` once the shape is filled."""
+        return self.level
+
+    def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor | TopCandidates) -> None:
+        """Adds the children of ``nodes`` (the current level) the shape asks for.
 
         Args:
-            root_token: The last committed token.
-            expand: Runs the draft on a batch of pool nodes and returns their next-token log-probs.
-            config: ``budget`` and ``max_depth`` (``max_branch`` and ``expand_per_forward`` belong to SpecExec).
-            max_depth: Tighter depth limit for this tree.
-            device: Where the tree's tensors live.
+            nodes: What :meth:`next_nodes` returned.
+            logprobs: ``[len(nodes), vocab]`` the draft's next-token log-probs at ``nodes``.
         """
-        pool = TokenTree.from_root(root_token, device=device)
-        depth_limit = config.depth_limit(max_depth)
-        level = torch.zeros(1, dtype=torch.long, device=pool.device)  # the nodes the next forward expands
-        if depth_limit < 1:  # no room for draft tokens: the target adds its bonus token alone
-            return SearchResult(pool, pool, level, 0)
-        # The first forward (which also feeds the draft the unseen history) tells the vocabulary size.
-        logprobs = expand(pool, level)
-        forwards = 1
-        key = (config.budget, depth_limit)
-        if key not in self._shapes:
-            self._shapes[key] = self.shape(config.budget, depth_limit, logprobs.shape[-1])
-        shape = self._shapes[key]
-        parents = torch.tensor(shape.parents, dtype=torch.long, device=pool.device)
-        ranks = torch.tensor(shape.ranks, dtype=torch.long, device=pool.device)
-        while True:
-            # In level order the parents are non-decreasing, so the children of the current level are the
-            # next contiguous run of shape nodes, added in shape order: pool indices equal shape indices.
-            first = pool.num_nodes
-            last = int(torch.searchsorted(parents, first))
-            child_parents, child_ranks = parents[first:last], ranks[first:last]
-            top_logprobs, top_tokens = logprobs.float().topk(int(child_ranks.max()) + 1, dim=-1)
-            rows = torch.searchsorted(level, child_parents)
-            pool.add_children(
-                child_parents,
-                top_tokens.to(pool.device)[rows, child_ranks],
-                pool.logprobs[child_parents] + top_logprobs.to(pool.device)[rows, child_ranks],
-            )
-            level = torch.unique(parents[last : int(torch.searchsorted(parents, last))])
-            if level.numel() == 0:
-                break
-            logprobs = expand(pool, level)
-            forwards += 1
-        return SearchResult(pool, pool, torch.arange(pool.num_nodes, device=pool.device), forwards)
+        if isinstance(logprobs, TopCandidates):
+            raise TypeError("A static tree takes each child by its draft rank: expand with the full log-probs.")
+        pool = self.pool
+        self.forwards += 1
+        if self.parents is None:
+            shape = self.policy.cached_shape(self.budget, self.depth_limit, logprobs.shape[-1])
+            self.parents = torch.tensor(shape.parents, dtype=torch.long, device=pool.device)
+            self.ranks = torch.tensor(shape.ranks, dtype=torch.long, device=pool.device)
+        parents, ranks = self.parents, self.ranks
+        # In level order the parents are non-decreasing, so the children of the current level are the next
+        # contiguous run of shape nodes, added in shape order: pool indices equal shape indices.
+        first = pool.num_nodes
+        last = int(torch.searchsorted(parents, first))
+        child_parents, child_ranks = parents[first:last], ranks[first:last]
+        top_logprobs, top_tokens = logprobs.float().topk(int(child_ranks.max()) + 1, dim=-1)
+        rows = torch.searchsorted(nodes, child_parents)
+        pool.add_children(
+            child_parents,
+            top_tokens.to(pool.device)[rows, child_ranks],
+            pool.logprobs[child_parents] + top_logprobs.to(pool.device)[rows, child_ranks],
+        )
+        level = torch.unique(parents[last : int(torch.searchsorted(parents, last))])
+        self.level = level if level.numel() > 0 else None
+
+    def result(self) -> SearchResult:
+        """The filled tree; every pool node is kept."""
+        pool = self.pool
+        return SearchResult(pool, pool, torch.arange(pool.num_nodes, device=pool.device), self.forwards)
 
 
 class SpecInferSearch(StaticTreeSearch):

@@ -1,8 +1,9 @@
 """The transformers adapter: SpecExec inside ``generate()``.
 
 - :mod:`.generation`: the ``custom_generate`` decoding loop (one tree, one target forward, one walk per step);
-- :mod:`.candidate_generator`: the draft side, a transformers ``CandidateGenerator`` growing trees with the
-  draft's KV cache kept across steps (:func:`grow_trees` batches several requests);
+- :mod:`.candidate_generator`: the draft side's tree ranking and learning (``SpecExecCandidateGenerator``);
+  :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever the tree policy;
+- :mod:`.draft_cache`: the draft's KV cache kept across steps, and the feeds that grow a tree into it;
 - :mod:`.compat`: what a model must support, checked up front, and the forward/logit helpers;
 - :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
 - :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache;

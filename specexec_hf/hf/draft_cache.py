@@ -1,0 +1,241 @@
+"""The draft's KV cache and what it is fed: one sequence's cache kept across trees, and batched draft forwards.
+
+A :class:`DraftCache` holds one sequence's draft KV cache and the bookkeeping that lets it be reused: the committed
+tokens it holds, and while a tree grows, which pool node sits in which cache slot and which fed nodes each one sees.
+It only ever needs the token history: on each tree it keeps the longest part of its cache that matches the history
+(the committed tokens plus any accepted tree nodes it had already fed), cuts the rest, and feeds the draft only the
+tokens it has not seen. That serves the Hugging Face loop (history grows by the accepted tokens) and serving engines
+(history may be anything) with the same code. :func:`forward_feeds` runs several sequences' :class:`DraftFeed`
+records in one batched forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..core.masks import causal_pattern
+from ..core.tree import TokenTree
+from .compat import batch_logits, execution_device, model_logits
+from .kv import compact_cache, new_cache, record_positions, slot_positions
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class DraftFeed:
+    """One sequence's share of a draft forward.
+
+    Args:
+        cache: The sequence's draft KV cache; the fed tokens are appended to it.
+        tokens: ``[n]`` tokens to feed.
+        positions: ``[n]`` their positions.
+        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        num_logits: How many trailing tokens need logits.
+    """
+
+    cache: DynamicCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    num_logits: int
+
+    def visibility(self) -> torch.Tensor:
+        """``visible``, with the causal pattern spelled out when it is ``None``."""
+        if self.visible is not None:
+            return self.visible
+        return causal_pattern(self.tokens.numel(), self.cache.get_seq_length(), self.tokens.device)
+
+
+class DraftCache:
+    """One sequence's draft KV cache, reused across trees, and the feeds that grow a tree's nodes into it.
+
+    Per tree: :meth:`sync` takes the new history, then for each draft forward :meth:`feed` says what to run and
+    :meth:`record_feed` notes where the fed tokens landed.
+
+    Args:
+        draft_model: The draft; its execution device is where the feeds and the tree's bookkeeping live.
+    """
+
+    def __init__(self, draft_model: PreTrainedModel):
+        self.draft_model = draft_model
+        self.cache = new_cache()
+        self.cached_ids: list[int] = []
+        # The history of the tree being grown; its last token is the root.
+        self.history: list[int] = []
+        # The last search's candidate pool, whose root is cached_ids[-1], and each pool node's cache slot (-1: not
+        # fed). Accepted nodes that were fed are kept on the next call instead of being fed again.
+        self._pool: TokenTree | None = None
+        self._pool_slots = torch.empty(0, dtype=torch.long)
+        # Row k + 1: which of the tree's fed slots (the cache after cached_ids) the k-th fed node sees; row 0, the
+        # root's, none (the root is committed). Columns past a row's own slot stay False.
+        self._fed_rows = torch.zeros(1, 0, dtype=torch.bool)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the draft runs: the draft may live on a faster device than the target (offloading)."""
+        return execution_device(self.draft_model)
+
+    def sync(self, history: list[int]) -> None:
+        """Takes the history of the next tree and cuts the cache back to the longest stretch that still matches it,
+        minus its last token (the root, fed by the tree's first forward)."""
+        self.history = history
+        keep = min(_common_prefix_length(self.cached_ids, history), len(history) - 1)
+        accepted_slots: list[int] = []
+        if self._pool is not None and keep == len(self.cached_ids):
+            # The history continues from the last tree's root: keep the fed nodes along that continuation.
+            child_of = self._pool.child_index()
+            slots = self._pool_slots.tolist()
+            node = 0
+            for token in history[keep : len(history) - 1]:
+                node = child_of.get((node, token), -1)
+                if node < 0 or node >= len(slots) or slots[node] < 0:
+                    break
+                accepted_slots.append(slots[node])
+        compact_cache(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
+        self.cached_ids = history[: keep + len(accepted_slots)]
+        self._pool = None
+
+    def feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
+        """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
+        with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""
+        history = self.history
+        if self._pool is None:
+            device = self.device
+            self._fed_rows = torch.zeros(1, 0, dtype=torch.bool, device=device)
+            pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=device)
+            positions = torch.arange(len(self.cached_ids), len(history), device=device)
+            return DraftFeed(self.cache, pending, positions, None, 1)
+        committed = len(self.cached_ids)
+        fed = self.cache.get_seq_length() - committed
+        count = nodes.numel()
+        # A node sees the committed tokens, what its parent sees (every ancestor of a node being expanded was itself
+        # expanded, hence fed) and itself. Gathering the parents' rows needs no host read, unlike climbing the tree.
+        parent_rows = self._fed_rows[self._pool_slots[pool.parents[nodes]] - committed + 1, :fed]
+        own = torch.eye(count, dtype=torch.bool, device=pool.device)
+        visible = torch.cat([parent_rows.new_ones(count, committed), parent_rows, own], dim=1)
+        self._note_fed_rows(fed, visible[:, committed:])
+        positions = pool.positions(len(history) - 1)[nodes]
+        return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
+
+    def _note_fed_rows(self, fed: int, rows: torch.Tensor) -> None:
+        """Stores the visibility ``rows`` of the nodes fed after the first ``fed`` tree nodes, growing the store
+        geometrically so that a tree of ``n`` nodes copies it ``O(log n)`` times."""
+        needed = 1 + fed + rows.shape[0]
+        if needed > self._fed_rows.shape[0]:
+            capacity = max(needed, 2 * self._fed_rows.shape[0])
+            grown = self._fed_rows.new_zeros(capacity, capacity - 1)
+            grown[: self._fed_rows.shape[0], : self._fed_rows.shape[1]] = self._fed_rows
+            self._fed_rows = grown
+        self._fed_rows[1 + fed : needed, : rows.shape[1]] = rows
+
+    def record_feed(self, pool: TokenTree, nodes: torch.Tensor) -> None:
+        """Notes where the tokens of the feed that expanded ``nodes`` now sit in the cache (after the forward)."""
+        if self._pool is None:
+            self.cached_ids = list(self.history)
+            slots = torch.full((1,), len(self.history) - 1, dtype=torch.long, device=self.device)
+        else:
+            # The pool has grown since the last feed: its new nodes have no slot (-1) until they are fed.
+            slots = torch.full((pool.num_nodes,), -1, dtype=torch.long, device=pool.device)
+            slots[: self._pool_slots.numel()] = self._pool_slots
+            fed_from = self.cache.get_seq_length() - nodes.numel()
+            slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
+        self._pool, self._pool_slots = pool, slots
+
+
+def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """Runs several sequences' feeds through ``model``, batching those of similar length.
+
+    Feeds are sorted by length and grouped so that padding is at most half of each batch: a long prompt prefill
+    runs alone instead of padding every tree expansion to its length.
+
+    Returns:
+        Per feed, in order, the float32 logits of its last ``num_logits`` tokens.
+    """
+    order = sorted(range(len(feeds)), key=lambda i: feeds[i].tokens.numel())
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        length = feeds[i].tokens.numel()
+        if groups and length * (len(groups[-1]) + 1) <= 2 * (real + length):
+            groups[-1].append(i)
+            real += length
+        else:
+            groups.append([i])
+            real = length
+    logits: list[torch.Tensor | None] = [None] * len(feeds)
+    for group in groups:
+        if len(group) == 1:
+            feed = feeds[group[0]]
+            logits[group[0]] = model_logits(
+                model, feed.tokens, feed.positions, feed.cache, feed.num_logits, feed.visible
+            )
+        else:
+            for i, group_logits in zip(group, _batched_logits(model, [feeds[i] for i in group])):
+                logits[i] = group_logits
+    return logits
+
+
+def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+    """One forward for several sequences with separate caches.
+
+    Row ``r`` of the batch holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the longest
+    cache) and its new tokens at ``[longest_cache, longest_cache + n_r)``; its mask is its own ``visible`` spread
+    over that layout. Padding queries see only themselves, so no softmax row is empty. Afterwards each feed's new
+    keys and values are appended to its own cache.
+    """
+    device = feeds[0].tokens.device
+    cache_lengths = [feed.cache.get_seq_length() for feed in feeds]
+    counts = [feed.tokens.numel() for feed in feeds]
+    longest_cache, longest_feed = max(cache_lengths), max(counts)
+    tokens = torch.zeros(len(feeds), longest_feed, dtype=torch.long, device=device)
+    positions = torch.zeros_like(tokens)
+    visible = torch.zeros(len(feeds), longest_feed, longest_cache + longest_feed, dtype=torch.bool, device=device)
+    diagonal = torch.arange(longest_feed, device=device)
+    visible[:, diagonal, longest_cache + diagonal] = True
+    for row, (feed, cached, count) in enumerate(zip(feeds, cache_lengths, counts)):
+        own = feed.visibility()
+        tokens[row, :count], positions[row, :count] = feed.tokens, feed.positions
+        visible[row, :count, :cached] = own[:, :cached]
+        visible[row, :count, longest_cache : longest_cache + count] = own[:, cached:]
+
+    batch_cache = new_cache()
+    record_positions(batch_cache, torch.stack([
+        torch.nn.functional.pad(slot_positions(feed.cache, 1, device)[0], (0, longest_cache - cached))
+        for feed, cached in zip(feeds, cache_lengths)
+    ]))
+    if longest_cache:
+        template = next(feed.cache for feed, cached in zip(feeds, cache_lengths) if cached)
+        for index, layer in enumerate(template.layers):
+            keys = layer.keys.new_zeros(len(feeds), *layer.keys.shape[1:-2], longest_cache, layer.keys.shape[-1])
+            values = layer.values.new_zeros(
+                len(feeds), *layer.values.shape[1:-2], longest_cache, layer.values.shape[-1]
+            )
+            for row, (feed, cached) in enumerate(zip(feeds, cache_lengths)):
+                if cached:
+                    keys[row, ..., :cached, :] = feed.cache.layers[index].keys[0]
+                    values[row, ..., :cached, :] = feed.cache.layers[index].values[0]
+            batch_cache.update(keys, values, index)
+
+    # Logits only where some feed needs them: its last num_logits tokens.
+    needed = [torch.arange(count - feed.num_logits, count, device=device) for feed, count in zip(feeds, counts)]
+    keep = torch.unique(torch.cat(needed))
+    logits = batch_logits(model, tokens, positions, batch_cache, keep, visible)
+
+    for feed in feeds:  # before the keys arrive: a cache without a record takes its length for its positions
+        record_positions(feed.cache, feed.positions[None])
+    for index, layer in enumerate(batch_cache.layers):
+        for row, (feed, count) in enumerate(zip(feeds, counts)):
+            new = slice(longest_cache, longest_cache + count)
+            keys, values = layer.keys[row : row + 1, :, new].clone(), layer.values[row : row + 1, :, new].clone()
+            feed.cache.update(keys, values, index)
+    return [logits[row, torch.searchsorted(keep, rows)] for row, rows in enumerate(needed)]
