@@ -9,6 +9,7 @@ from conftest import ARCHITECTURES, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from test_cache import assert_cache_prefix_equal, recomputed_cache
+from tolerances import assert_close_across_kernels, model_bound
 
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_tree, grow_trees
 from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
@@ -16,10 +17,12 @@ from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
 POLICIES = [grow_tree, SpecInferSearch(), SpecInferSearch(beams=2), SequoiaSearch([0.6, 0.25, 0.1])]
 
 
-def assert_same_tree(batched, alone) -> None:
+def assert_same_tree(batched, alone, bound: float) -> None:
+    """The same tokens and parents; the same log-probabilities up to ``bound`` (batched forwards are other kernel
+    shapes)."""
     assert torch.equal(batched.tree.tokens, alone.tree.tokens)
     assert torch.equal(batched.tree.parents, alone.tree.parents)
-    torch.testing.assert_close(batched.tree.logprobs, alone.tree.logprobs)
+    assert_close_across_kernels(batched.tree.logprobs, alone.tree.logprobs, bound)
 
 
 @given(
@@ -48,10 +51,10 @@ def test_batched_trees_and_caches_equal_trees_grown_alone(
         forwards = [result.draft_forwards for result in results]
         assert max(forwards) <= batch.draft_calls <= sum(forwards)
         for generator, history, ours, theirs in zip(batched, histories, batch.results, results):
-            assert_same_tree(ours, theirs)
+            assert_same_tree(ours, theirs, model_bound(draft, keys=history.shape[-1] + theirs.tree.num_nodes))
             assert ours.draft_forwards == theirs.draft_forwards
             assert generator.cached_ids == history[0].tolist()
-            assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history))
+            assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history), draft)
         # Each request accepts a random path plus a bonus token, as a verifier would; the caches carry over.
         for i, result in enumerate(batch.results):
             node = data.draw(st.integers(0, result.tree.num_nodes - 1))

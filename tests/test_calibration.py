@@ -11,6 +11,7 @@ import torch
 from conftest import perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import rounding_bound
 
 from specexec_hf import SpecExecStats, models
 from specexec_hf.core.acceptance_map import AcceptanceMap
@@ -211,6 +212,11 @@ def _learn_sampling_with_draft_equal_to_target(sampled_children: bool):
     return learnt
 
 
+# Draft and target probabilities come from two forwards' float32 logits through a softmax over tiny_model's 64-token
+# vocabulary: equal only up to that rounding (see tolerances), per visited node.
+PROBABILITY_ROUNDING = rounding_bound(torch.float32, reduction=64)
+
+
 def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -> None:
     """Under sampling, a top-token candidate counts as accepted by the probability the target had of sampling it,
     not by whether the one draw picked it. With draft == target at the sampling temperature those probabilities are
@@ -222,7 +228,8 @@ def test_sampling_teaches_the_map_the_target_s_probability_of_each_candidate() -
     rates = learnt.accepted[seen] / learnt.trials[seen]
     lower, upper = edges[:-1].expand_as(learnt.trials)[seen], edges[1:].expand_as(learnt.trials)[seen]
     assert seen.sum() >= 5
-    assert bool(((rates >= lower * (1 - 1e-4)) & (rates <= upper * (1 + 1e-4))).all()), (rates, lower, upper)
+    inside = (rates >= lower * (1 - PROBABILITY_ROUNDING)) & (rates <= upper * (1 + PROBABILITY_ROUNDING))
+    assert bool(inside.all()), (rates, lower, upper)
 
 
 def test_drawn_children_teach_the_map_the_rejection_chain_s_probability_of_taking_each() -> None:
@@ -232,9 +239,9 @@ def test_drawn_children_teach_the_map_the_rejection_chain_s_probability_of_takin
     learnt = _learn_sampling_with_draft_equal_to_target(sampled_children=True)
     visits = float(learnt.trials[0].sum())
     assert visits >= 10 and float(learnt.trials[1].sum()) == visits
-    assert abs(float(learnt.accepted[:2].sum()) - visits) < 1e-4 * visits
+    assert abs(float(learnt.accepted[:2].sum()) - visits) < PROBABILITY_ROUNDING * visits
     assert 0.05 * visits < float(learnt.accepted[1].sum()) < 0.95 * visits  # both kinds of child are taken
-    assert float(learnt.accepted[2:].max()) < 1e-5  # float32 logits of two forwards differ slightly
+    assert float(learnt.accepted[2:].max()) < PROBABILITY_ROUNDING * visits
 
 
 def test_context_match_fit_finds_nothing_to_copy_in_independent_tokens() -> None:

@@ -11,6 +11,7 @@ import torch
 from conftest import chi_square_p
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import assert_close_across_kernels, rounding_bound
 
 from specexec_hf.core.tree import TokenTree
 
@@ -79,7 +80,9 @@ def test_paged_tree_attention_equals_dense_reference(case):
             v = values[seen, head // case["groups"]].double()
             weights = torch.softmax(query[node - 1, head].double() @ k.T * scale, dim=-1)
             expected[node - 1, head] = weights @ v
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    # float32 attention against float64: the rounding of sums over the head size and over the keys.
+    bound = rounding_bound(torch.float32, reduction=max(head_size, length))
+    assert_close_across_kernels(got.double(), expected, bound)
 
 
 def test_tree_rows_mask_sees_prefix_ancestors_and_self():

@@ -9,6 +9,7 @@ import torch
 from conftest import ARCHITECTURES, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import assert_close_across_kernels, compute_dtype, rounding_bound
 
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
 from specexec_hf.models.vocab import (
@@ -27,7 +28,10 @@ def test_subset_head_scores_exactly_the_subset(seed, subset):
     restricted = restrict_draft_vocabulary(copy.deepcopy(model), token_ids)(ids).logits
     inside = torch.zeros(64, dtype=torch.bool)
     inside[token_ids] = True
-    torch.testing.assert_close(restricted[..., inside], full[..., inside])
+    # The same forward up to the head, whose product over the hidden size then has fewer rows: other kernel shapes.
+    # The entries outside the subset are the full head's, so each row is scaled by its full magnitude.
+    bound = rounding_bound(compute_dtype(model), reduction=model.config.hidden_size)
+    assert_close_across_kernels(torch.where(inside, restricted, full), full, bound)
     assert torch.isneginf(restricted[..., ~inside]).all()
 
 
