@@ -217,6 +217,7 @@ class LayerFile:
             self.close()
             raise OSError(f"Could not create the {self.size}-byte offload file {self.path}: {error}") from error
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._address = whole.data_ptr()
         for stored in self.layers:
             for parameter, offset in stored.parameters:
                 at = stored.start + offset
@@ -234,12 +235,17 @@ class LayerFile:
             os.fsync(self._descriptor)
 
     def close(self) -> None:
-        """Unmaps the file, drops its cached pages and unlinks it (a reader that opened it keeps reading it).
+        """Lets go of the mapping, drops the file's cached pages and unlinks it (a reader that opened it keeps
+        reading it). The mapping itself goes with the last tensor viewing it.
 
-        Call once every parameter was re-pointed away from the mapping (to the ring's buffers).
+        Raises:
+            RuntimeError: A parameter still views the mapping: re-point every parameter (to the ring) first.
         """
         if self._mapping is not None:
-            self._mapping.close()  # BufferError while a parameter still views it
+            for stored in self.layers:
+                for parameter, _ in stored.parameters:
+                    if 0 <= parameter.data_ptr() - self._address < self.size:
+                        raise RuntimeError(f"A parameter of {stored.name} still views the offload file's mapping.")
             self._mapping = None
         if self._descriptor >= 0:
             os.posix_fadvise(self._descriptor, 0, self.size, os.POSIX_FADV_DONTNEED)
