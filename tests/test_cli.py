@@ -121,6 +121,20 @@ def test_offloaded_target_is_not_loaded_in_memory_for_a_draft_directory(pair, mo
     assert draft.device.type == "cpu"
 
 
+@pytest.mark.parametrize("offload", OFFLOADS, ids=["in-memory", "stream", "accelerate"])
+def test_a_tied_head_counts_once(tmp_path, offload):
+    """The reported size of a target whose head is tied to its embedding does not change when it is offloaded."""
+    config = tiny_model("llama").config
+    config.tie_word_embeddings = True
+    model = type(tiny_model("llama"))(config)
+    model.save_pretrained(tmp_path / "tied")
+    tiny_tokenizer().save_pretrained(tmp_path / "tied")
+    args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT, "--target", str(tmp_path / "tied"),
+                                          "--no-specexec", *offload])  # fmt: skip
+    _, _, _, info = load_models(args, with_draft=False)
+    assert info["target"]["parameters"] == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

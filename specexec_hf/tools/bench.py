@@ -499,7 +499,7 @@ def load_models(
         target = load_offloaded(path, max_memory=max_memory, offload_folder=args.offload_folder, executor=args.offload)
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     info = {
-        "target": {"name": args.target or DEFAULT_TARGET_NAME, "parameters": _parameters(target),
+        "target": {"name": args.target or DEFAULT_TARGET_NAME, "parameters": _target_parameters(target),
                    "offload": args.offload, "max_memory": max_memory},
         "draft": {**draft_info, "parameters": _parameters(draft) if draft is not None else 0},
     }
@@ -595,6 +595,15 @@ def sequoia_acceptance(
 
 def _parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def _target_parameters(target: PreTrainedModel) -> int:
+    """The target's parameters, a tied LM head counted once: an offloaded target holds the head and the embedding
+    as two meta tensors even where the checkpoint ties them."""
+    head, embedding = target.get_output_embeddings(), target.get_input_embeddings()
+    tied = getattr(target.config.get_text_config(), "tie_word_embeddings", False)
+    untied_copy = tied and head is not None and head.weight is not embedding.weight
+    return _parameters(target) - (head.weight.numel() if untied_copy else 0)
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
