@@ -23,6 +23,13 @@ runai-model-streamer``); it loads ``direct_io.py`` by path, so it does not need 
         --out benchmarks/results/loaders
 
 Writes ``loaders.json`` and ``loaders.md`` to ``--out``.
+
+``--forward`` (run with the project's environment instead) measures what the choice gives the executor: the
+default target's forward over one token, every weight on disk, read by direct reads and through the page-cache
+fallback (the file evicted before each forward, as for a model larger than RAM); it writes ``forward.json`` and
+``forward.md``::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/loaders.py --forward --out benchmarks/results/loaders
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -172,7 +180,8 @@ def pool_reader(threads: int, request_mib: int) -> Callable:
         try:
             pending = None
             for index, (begin, end) in enumerate(ranges):
-                span = direct_io.Span(file, begin, end, buffers[index % 2][_offset(begin) : _offset(begin) + end - begin])
+                target = buffers[index % 2][_offset(begin) : _offset(begin) + end - begin]
+                span = direct_io.Span(file, begin, end, target)
                 future = reader.submit(direct_io.plan_reads([span], request_mib * MiB))
                 if pending is not None:
                     pending.result()  # one layer read ahead, as the executor's ring does
@@ -289,6 +298,96 @@ def verify(path: Path, ranges, buffers, index: int, offset: int) -> bool:
     return torch.equal(buffers[index % 2][offset : offset + end - begin], expected)
 
 
+def measure_forward(args) -> None:
+    """The default target's 1-token forward, all on disk: direct reads against the page-cache fallback, cold."""
+    from specexec_hf.models.default_pair import default_target_dir
+    from specexec_hf.offload import layer_streamer, load_offloaded
+    from specexec_hf.offload import stream as stream_module
+
+    checkpoint = default_target_dir()
+    weights = checkpoint / "model.safetensors"
+    token = torch.tensor([[42]])
+    results = []
+    for round_ in range(args.repeats):
+        bound = disk_bound(weights)
+        results.append({"round": round_, "mode": "bound: DirectReader, whole file", **bound})
+        print(json.dumps(results[-1]), flush=True)
+        for mode in ("direct", "page cache"):
+            stream_module.WeightFile = partial(direct_io_module().WeightFile, direct=mode == "direct")
+            model = load_offloaded(checkpoint, max_memory={"cpu": 0}, prefetch=args.prefetch)
+            streamer = layer_streamer(model)
+            times = []
+            with torch.no_grad():
+                model(token)
+                for _ in range(args.forwards):
+                    streamer.wait_idle()
+                    for path in checkpoint.glob("*.safetensors"):
+                        evict(path)
+                    started = time.perf_counter()
+                    model(token)
+                    times.append(time.perf_counter() - started)
+            streamer.close()
+            seconds = statistics.median(times)
+            result = {
+                "round": round_,
+                "mode": mode,
+                "median_ms": seconds * 1e3,
+                "forwards_ms": [round(t * 1e3) for t in times],
+                "streamed_bytes": streamer.streamed_bytes_per_forward,
+                "gb_per_s": streamer.streamed_bytes_per_forward / seconds / 1e9,
+            }
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    stream_module.WeightFile = direct_io_module().WeightFile
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "checkpoint": str(checkpoint),
+        "prefetch": args.prefetch,
+        "omp_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "forward.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    lines = [
+        "# The default target's forward over one token, every weight on disk, cold",
+        "",
+        f"prefetch={args.prefetch}, {meta['omp_threads']} torch thread(s), {args.forwards} forwards per load, the "
+        f"checkpoint evicted from the page cache before each; median per load. The bound row is one cold read of "
+        "the whole checkpoint by the pool (a single sample: the shared disk swings between runs). "
+        f"Machine: {meta['machine']}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| round | reads | ms (median) | GB/s streamed | forwards (ms) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        forwards = ", ".join(map(str, result["forwards_ms"]))
+        lines.append(
+            f"| {result['round']} | {result['mode']} | {result['median_ms']:.0f} | {result['gb_per_s']:.2f} | {forwards} |"
+        )
+    (args.out / "forward.md").write_text("\n".join(lines) + "\n")
+
+
+def disk_bound(path: Path, piece: int = 32 * MiB) -> dict:
+    """The disk's direct-read bandwidth on ``path`` (cold): the pool reading it whole, in pieces, one ahead."""
+    size = path.stat().st_size
+    ranges = [(at, min(at + piece, size)) for at in range(0, size, piece)]
+    buffers = [direct_io.aligned_empty(piece + 2 * direct_io.BLOCK) for _ in range(2)]
+    evict(path)
+    started = time.perf_counter()
+    pool_reader(4, 8)(path, ranges, buffers)
+    seconds = time.perf_counter() - started
+    return {"median_ms": seconds * 1e3, "forwards_ms": [], "streamed_bytes": size, "gb_per_s": size / seconds / 1e9}
+
+
+def direct_io_module():
+    """The project's own ``direct_io`` (the one the executor imports), for ``--forward``."""
+    from specexec_hf.offload import direct_io as project_direct_io
+
+    return project_direct_io
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/loaders-bench"))
@@ -300,7 +399,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--request-mib", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--only", nargs="*", help="run only the methods whose name starts with one of these")
+    parser.add_argument("--forward", action="store_true", help="time the default target's forward instead")
+    parser.add_argument("--forwards", type=int, default=10, help="with --forward: forwards per load")
+    parser.add_argument("--prefetch", type=int, default=1, help="with --forward: units read ahead")
     args = parser.parse_args()
+    if args.forward:
+        measure_forward(args)
+        return
 
     path = args.folder / "layers.safetensors"
     if not path.exists():
