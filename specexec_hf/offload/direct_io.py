@@ -341,10 +341,11 @@ def _direct_requests(span: Span, request_bytes: int) -> list[_Request]:
     base = span.target.data_ptr() - storage.data_ptr() - (span.start - first)
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
     length = round_up(span.end - first)
-    return [
-        _Request(span.file, first + at, min(request_bytes, length - at), whole[base + at : base + at + min(request_bytes, length - at)])
-        for at in range(0, length, request_bytes)
-    ]
+    requests = []
+    for at in range(0, length, request_bytes):
+        size = min(request_bytes, length - at)
+        requests.append(_Request(span.file, first + at, size, whole[base + at : base + at + size]))
+    return requests
 
 
 def _bounced_requests(span: Span, request_bytes: int) -> list[_Request]:

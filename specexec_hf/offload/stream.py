@@ -14,7 +14,17 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .direct_io import BLOCK, DirectReader, ReadPlan, Span, WeightFile, WeightFileError, aligned_empty, plan_reads, round_up
+from .direct_io import (
+    BLOCK,
+    DirectReader,
+    ReadPlan,
+    Span,
+    WeightFile,
+    WeightFileError,
+    aligned_empty,
+    plan_reads,
+    round_up,
+)
 
 # Allocation alignment of torch's CPU allocator, which ring-buffer views reproduce (see _plan_runs).
 _ALIGNMENT = 64
@@ -603,7 +613,7 @@ def _bind_views(runs: list[_Run], buffer: torch.Tensor) -> None:
 
 
 def _spans(runs: list[_Run], buffer: torch.Tensor) -> list[Span]:
-    """The file spans that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights, for direct reads."""
+    """The file spans that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights (direct reads)."""
     spans = []
     for run in runs:
         if run.converts_to is None:
