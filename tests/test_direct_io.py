@@ -113,7 +113,13 @@ def test_a_filesystem_without_o_direct_reads_through_the_page_cache_with_one_war
 
 def test_a_direct_read_refused_after_open_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
     path, data = random_file(tmp_path, 3 * BLOCK)
+    real_open = os.open
+    # A filesystem that accepts O_DIRECT at open and refuses the read, wherever tmp_path is.
+    accepting = getattr(os, "O_DIRECT", 0)
+    monkeypatch.setattr(direct_io.os, "open", lambda path, flags, *args: real_open(path, flags & ~accepting, *args))
     file = WeightFile(path)
+    monkeypatch.setattr(direct_io.os, "open", real_open)
+    assert file.direct
     real_preadv = os.preadv
     refused = []
 
