@@ -51,6 +51,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from memory_cap import cached_bytes, evict  # noqa: E402  (a sibling script: the standard library only)
+
 READS_INTO = {
     "runai": "its own buffer, then copied",
     "fastsafetensors": "its own buffers, whole file",
@@ -117,34 +120,6 @@ def layer_ranges(path: Path) -> list[tuple[int, int]]:
         current = ranges.setdefault(layer, [begin, end])
         current[0], current[1] = min(current[0], begin), max(current[1], end)
     return [tuple(ranges[layer]) for layer in sorted(ranges)]
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def cached_fraction(path: Path) -> float:
-    """The share of the file's pages in the page cache (``mincore``), to check that eviction worked."""
-    import ctypes
-
-    size = path.stat().st_size
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(path, "rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = (ctypes.c_ubyte * pages)()
-        buffer = (ctypes.c_char * size).from_buffer(mapping)
-        result = libc.mincore(ctypes.c_void_p(ctypes.addressof(buffer)), ctypes.c_size_t(size), vector)
-        del buffer
-        mapping.close()
-    if result != 0:
-        return float("nan")
-    return sum(byte & 1 for byte in vector) / pages
 
 
 # Each reader: (path, ranges, buffers) -> None, reading layer i's range into buffers[i % 2][: length].
@@ -423,7 +398,7 @@ def main() -> None:
         runs, error, cached, correct = [], None, [], None
         for _ in range(args.repeats):
             evict(path)
-            cached.append(cached_fraction(path))
+            cached.append(cached_bytes(path) / path.stat().st_size)
             try:
                 started = time.perf_counter()
                 read(path, ranges, buffers)
