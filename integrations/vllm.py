@@ -62,6 +62,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
 from ..core.search import SearchResult
+from ..core.step_budget import share_budget
 from ..hf.calibrated import ranking_setting, shared_acceptance_map
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
@@ -124,6 +125,9 @@ class ProposerSettings:
         offload: The target's decoder layers are written to this folder at load and streamed from it
             (:mod:`specexec_hf.patches.vllm_offload`); ``None`` keeps them in memory.
         offload_prefetch: Layers the stream reads ahead of the one computing.
+        step_budget: With tree verification, the tree nodes of one step in all: every request grows its tree up to
+            ``budget`` nodes, then the trees are cut to the ``step_budget`` best nodes of them all
+            (:func:`~specexec_hf.core.step_budget.share_budget`); ``None``: ``budget`` nodes per request.
     """
 
     draft_model: str
@@ -132,6 +136,7 @@ class ProposerSettings:
     tree_verification: bool = False
     offload: str | None = None
     offload_prefetch: int = 1
+    step_budget: int | None = None
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -142,7 +147,9 @@ class ProposerSettings:
             environ: The environment, e.g. ``os.environ``.
         """
         knobs = SpecExecConfig.knob_names()
-        names = ("draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", *knobs)
+        names = (
+            "draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", "step_budget", *knobs
+        )  # fmt: skip
         unknown = sorted(set(extra) - set(names))
         if unknown:
             raise ValueError(f"Unknown SpecExec vLLM setting(s) {unknown}; known: {list(names)}.")
@@ -159,7 +166,15 @@ class ProposerSettings:
         tree = _parse_knob("tree_verification", "bool", raw.get("tree_verification", False))
         prefetch = _parse_knob("offload_prefetch", "int", raw.get("offload_prefetch", 1))
         offload = raw.get("offload") or None
-        return cls(str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch)
+        step_budget = _parse_knob("step_budget", "int", raw.get("step_budget"))
+        if step_budget is not None and (not tree or not isinstance(step_budget, int) or step_budget < 1):
+            raise ValueError(
+                f"step_budget={step_budget!r}: a step's total of tree nodes needs tree_verification=true and an "
+                "integer of at least 1."
+            )
+        return cls(
+            str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget
+        )
 
 
 def _parse_knob(name: str, annotation: str, value: Any) -> Any:
@@ -388,16 +403,27 @@ class SpecExecProposer:
         with torch.inference_mode():
             trees = grow_trees(requests)
         for (generator, _, _), row, result in zip(requests, rows, trees.results):
-            if generator.acceptance_map is not None:  # only a map learns from the search
+            if generator.acceptance_map is not None:  # only a map learns from the search (from the whole tree)
                 self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))
-            if self.tree_verifier is None:
-                drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
-            else:  # parents first, so the first `depth` nodes (all the scheduler may keep) are a tree
-                depth = min(self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[row]))
-                drafts[row] = result.tree.tokens[1 : 1 + depth].tolist()
-                self.tree_verifier.propose(req_ids[row], result.tree)
-            self.stats.proposed_tokens += len(drafts[row])
             self.stats.tree_nodes += result.tree.num_nodes - 1
+        if self.tree_verifier is None:
+            for row, result in zip(rows, trees.results):
+                drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
+                self.stats.proposed_tokens += len(drafts[row])
+        else:
+            sent = []
+            for row, result in zip(rows, trees.results):
+                depth = min(self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[row]))
+                # Parents first, so the first `depth` nodes (all the scheduler may keep) are a tree.
+                tree = result.tree
+                sent.append(tree if tree.num_nodes <= depth + 1 else tree.select(torch.arange(depth + 1)))
+            if self.settings.step_budget is not None:
+                sent = share_budget(sent, self.settings.step_budget)
+            for row, tree in zip(rows, sent):
+                if tree.num_nodes > 1:
+                    drafts[row] = tree.tokens[1:].tolist()
+                    self.tree_verifier.propose(req_ids[row], tree)
+                    self.stats.proposed_tokens += len(drafts[row])
         self.stats.proposals += len(rows)
         self.stats.draft_forwards += trees.draft_calls
         self.stats.draft_seconds += time.perf_counter() - started

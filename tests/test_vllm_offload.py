@@ -29,6 +29,7 @@ from specexec_hf.patches import vllm_offload  # noqa: E402
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "enforce_eager": True, "seed": 0}
 MAX_TOKENS = 24
 TARGET_LAYERS = 4
+STEP_BUDGET = 24  # tree nodes per step for the whole batch, below 4 requests x a budget of 16
 
 
 def _stack(count: int, seed: int) -> nn.Sequential:
@@ -175,9 +176,11 @@ def _stream_probe(worker: Any) -> dict[str, int]:
     }
 
 
-def _trees_verified(worker: Any) -> int:
+def _tree_stats(worker: Any) -> dict[str, int]:
     """Runs in the vLLM worker (via collective_rpc)."""
-    return worker.model_runner.drafter.tree_verifier.stats.trees
+    from dataclasses import asdict
+
+    return asdict(worker.model_runner.drafter.tree_verifier.stats)
 
 
 def _greedy(llm: Any) -> list[list[int]]:
@@ -190,8 +193,8 @@ def _greedy(llm: Any) -> list[list[int]]:
 @pytest.mark.slow
 def test_streamed_target_with_trees_equals_the_plain_engine(vllm_env, tmp_path_factory, monkeypatch):
     """The plain engine (oneDNN-prepacked linears, all in memory) against the target streamed from an offload folder
-    (switched on by SPECEXEC_OFFLOAD) with SpecExec trees verified: the same greedy tokens, a ring smaller than the
-    layers, and reads every forward."""
+    (switched on by SPECEXEC_OFFLOAD) with SpecExec trees verified under a budget shared by the batch: the same greedy
+    tokens, a ring smaller than the layers, reads every forward, and no step over the shared budget."""
     from vllm import LLM
 
     pair = tiny_pair(tmp_path_factory)
@@ -203,7 +206,7 @@ def test_streamed_target_with_trees_equals_the_plain_engine(vllm_env, tmp_path_f
         plain.llm_engine.engine_core.shutdown()
     folder = tmp_path_factory.mktemp("offload")
     monkeypatch.setenv("SPECEXEC_OFFLOAD", str(folder))
-    settings = {"draft_model": str(pair.draft), "budget": 16, "tree_verification": True}
+    settings = {"draft_model": str(pair.draft), "budget": 16, "tree_verification": True, "step_budget": STEP_BUDGET}
     config = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 16,
               "draft_load_config": {"model_loader_extra_config": {"specexec": settings}}}  # fmt: skip
     streamed = LLM(model=str(target), speculative_config=config, **ENGINE_ARGS)
@@ -211,12 +214,15 @@ def test_streamed_target_with_trees_equals_the_plain_engine(vllm_env, tmp_path_f
         before = streamed.collective_rpc(_stream_probe)[0]
         outputs = _greedy(streamed)
         after = streamed.collective_rpc(_stream_probe)[0]
-        trees = streamed.collective_rpc(_trees_verified)[0]
+        trees = streamed.collective_rpc(_tree_stats)[0]
     finally:
         streamed.llm_engine.engine_core.shutdown()
-    print("streamed target:", before, after)
+    print("streamed target:", before, after, trees)
     assert outputs == expected
-    assert trees > 0
+    assert trees["trees"] > 0
+    # Four requests would send 4 x 16 nodes per step on their own; the shared budget cut each step to 24 in all.
+    assert trees["tree_nodes"] <= STEP_BUDGET * trees["steps"]
+    assert trees["tree_nodes"] > trees["trees"]  # and the trees still held more than one node on average
     assert after["layers"] == TARGET_LAYERS
     assert after["streamed_bytes_per_forward"] == after["parameter_bytes"]  # prefetch 1 over 4 layers: all stream
     assert after["resident_bytes"] < 0.6 * after["parameter_bytes"]  # two of four layers' buffers, plus alignment
