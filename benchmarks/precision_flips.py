@@ -13,8 +13,9 @@ bound is too tight; the run reports those as ``undetected``.
 Paths: ``specexec`` (this library's ``generate()``), ``specexec_self`` (the target as its own draft),
 ``assisted`` (transformers' assisted generation), ``vllm_draft_model`` (vLLM's ``draft_model`` method, k 4) and
 ``vllm_tree`` (SpecExec's vLLM proposer with ``tree_verification``). Models: ``default`` (SmolLM2-135M-Instruct and
-the shipped draft, cast to the dtype) and ``tiny`` (the synthetic random pair of ``synthetic_models.py``, draft =
-target + 10% noise). float32 is the control. End-of-sequence tokens neither stop nor are masked (as vLLM's
+the shipped draft, cast to the dtype), ``tiny`` (the synthetic random pair of ``synthetic_models.py``: hidden size 64,
+2 layers, draft = target + 10% noise) and ``random`` (a wider random Llama on the same tokenizer: hidden size 256,
+4 layers, 2048 output rows, its head scaled by 8; draft = target + 10% noise). float32 is the control. End-of-sequence tokens neither stop nor are masked (as vLLM's
 ``ignore_eos``), so every output is ``--max-tokens`` long.
 
     OMP_NUM_THREADS=1 python benchmarks/precision_flips.py --output-dir benchmarks/results/precision_flips
@@ -40,6 +41,32 @@ from vllm_acceptance import PROMPTS, run_method
 HF_PATHS = ("specexec", "specexec_self", "assisted")
 VLLM_PATHS = {"vllm_draft_model": "draft_model", "vllm_tree": "specexec_tree"}
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def save_random_pair(directory: Path, tokenizer_dir: Path) -> dict[str, str]:
+    """The ``random`` model: a wider random Llama than the tiny pair's, and its noisy copy, saved with the tiny
+    pair's tokenizer (whose ids all fall below its 2048 rows)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaked next-token distributions, as a trained model's
+    draft = LlamaForCausalLM(config).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn_like(weight) * weight.std() * 0.1)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    paths = {"target": str(directory / "target"), "draft": str(directory / "draft")}
+    for model, path in ((target, paths["target"]), (draft, paths["draft"])):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return paths
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -226,7 +253,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "default"], choices=["tiny", "default"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "random", "default"], choices=["tiny", "random", "default"])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--paths", nargs="+", default=[*HF_PATHS, *VLLM_PATHS], choices=[*HF_PATHS, *VLLM_PATHS])
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -247,11 +274,12 @@ def main() -> None:
             if model == "default":
                 from specexec_hf.models import export_default_pair
 
-                target_dir, draft_dir = map(str, export_default_pair(scratch))
+                paths = dict(zip(("target", "draft"), map(str, export_default_pair(scratch))))
             else:
                 pair = make_tiny_pair(Path(scratch) / "tiny", noise=0.1)
-                target_dir, draft_dir = str(pair.target), str(pair.draft)
-            paths = {"target": target_dir, "draft": draft_dir}
+                paths = {"target": str(pair.target), "draft": str(pair.draft)}
+                if model == "random":
+                    paths = save_random_pair(Path(scratch) / "random", pair.target)
             for dtype in args.dtypes:
                 hf_rows, target, prompts = run_hf(model, dtype, paths, args)
                 rows += hf_rows
