@@ -46,10 +46,6 @@ ExpandFn = Callable[[TokenTree, torch.Tensor], "torch.Tensor | TopCandidates"]
 """``expand(pool, nodes) -> logprobs``: the draft's next-token log-probs ``[len(nodes), vocab]`` at ``nodes`` (or, for
 a policy that ``ranks_children``, their best children as :class:`TopCandidates`)."""
 
-SearchFn = Callable[..., "SearchResult"]
-"""``search(root_token, expand, config, max_depth=None, device=None) -> SearchResult``: what calling a
-:class:`SearchPolicy` does."""
-
 
 @dataclass
 class SearchResult:

@@ -1,6 +1,8 @@
 """The transformers adapter: SpecExec inside ``generate()``.
 
-- :mod:`.generation`: the ``custom_generate`` decoding loop (one tree, one target forward, one walk per step);
+- :mod:`.generation`: the ``custom_generate`` adapter: checks, then the decoder's steps, committed and recorded;
+- :mod:`.decoder`: one SpecExec step (``SpecExecDecoder.step``: one tree, one target forward, one walk) and the
+  target's choice rule; :mod:`.outputs`: the scores, logits, hidden states and statistics ``generate()`` returns;
 - :mod:`.candidate_generator`: the draft side's tree ranking and learning (``SpecExecCandidateGenerator``);
   :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever the tree policy;
 - :mod:`.draft_cache`: the draft's KV cache kept across steps, and the feeds that grow a tree into it;
@@ -12,11 +14,15 @@
 
 from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_trees
 from .compat import UnsupportedModelError
-from .generation import SpecExecDecoderOnlyOutput, TreeLogitsProcessor, generate
+from .decoder import SpecExecDecoder, StepOutcome, TreeLogitsProcessor
+from .generation import generate
+from .outputs import SpecExecDecoderOnlyOutput
 
 __all__ = [
     "SpecExecCandidateGenerator",
+    "SpecExecDecoder",
     "SpecExecDecoderOnlyOutput",
+    "StepOutcome",
     "TreeBatch",
     "TreeLogitsProcessor",
     "UnsupportedModelError",

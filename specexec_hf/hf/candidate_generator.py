@@ -1,15 +1,16 @@
 """The draft side's tree ranking and learning: a generator that grows token trees with a small causal LM.
 
 One :class:`SpecExecCandidateGenerator` drafts for one sequence. It owns that sequence's
-:class:`~.draft_cache.DraftCache` (the draft's KV cache and feeds, kept across trees) and does what is about the tree: the draft's log-probs turned
-into ranked children (temperature, context matching, the acceptance map, drawn children), and what the map learns
-once the target has walked the tree. :func:`grow_trees` grows the trees of several generators at once (a serving
-batch): each round of their searches becomes one batched draft forward, padded per request, whatever the policy.
+:class:`~.draft_cache.DraftCache` (the draft's KV cache and feeds, kept across trees) and does what is about the
+tree: the draft's log-probs turned into ranked children (temperature, context matching, the acceptance map, drawn
+children), and what the map learns once the target has walked the tree. :func:`grow_trees` grows the trees of
+several generators at once (a serving batch): each round of their searches becomes one batched draft forward,
+padded per request, whatever the policy.
 
 The class keeps transformers' name for a draft-side object but not its ``CandidateGenerator`` interface: that
 interface proposes one chain per step, and transformers 5's assisted loop builds its own generator from the
-generation config (``_get_candidate_generator``), with no public way to hand it one; SpecExec's loop
-(:mod:`.generation`) verifies the whole tree instead.
+generation config (``_get_candidate_generator``), with no public way to hand it one; SpecExec's step
+(:mod:`.decoder`) verifies the whole tree instead.
 """
 
 from __future__ import annotations

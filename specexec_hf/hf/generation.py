@@ -1,115 +1,32 @@
-"""The SpecExec decoding loop, as a ``custom_generate`` callable for transformers' ``generate()``.
+"""SpecExec as a ``custom_generate`` callable for transformers' ``generate()``: a thin adapter over the decoder.
 
-Each step: the draft grows a tree under the last committed token; the target scores the pending committed
-tokens and the whole tree in one forward; the acceptance walk commits the target's own choices along the tree
-plus one bonus token; both KV caches keep only the committed path. The target's cache always holds every
-committed token but the last, which becomes the next tree's root.
+``generate()`` checks the request, builds the drafter and a :class:`~.decoder.SpecExecDecoder`, and runs its
+steps (:meth:`~.decoder.SpecExecDecoder.step`: draft a tree, one target forward, the acceptance walk, cache
+compaction), committing each step's tokens one at a time against the stopping criteria, as plain decoding does,
+and recording the outputs (:class:`~.outputs.OutputRecorder`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation import (
-    GenerateDecoderOnlyOutput,
-    LogitsProcessorList,
-    StoppingCriteriaList,
-)
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.utils import ModelOutput
 
 from ..core.config import SpecExecConfig
-from ..core.masks import chain_and_tree_mask
-from ..core.precision import greedy_choice
-from ..core.search import SearchFn, grow_tree
-from ..core.stats import SpecExecStats, StepStats
-from ..core.tree import TokenTree
-from ..core.verify import acceptance_walk, rejection_sample
-from .attention_spans import attention_spans, decoder_layer_types
+from ..core.search import SearchPolicy, grow_tree
+from ..core.stats import SpecExecStats
 from .autobudget import auto_budget_for
 from .calibrated import ranking_setting, shared_acceptance_map
-from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
-from .compat import (
-    check_masked_tokens_supported,
-    check_same_vocabulary,
-    check_supported,
-    node_logits,
-)
-from .kv import compact_cache, new_cache
-from .request import check_budget_fits, validate_request
+from .candidate_generator import SpecExecCandidateGenerator
+from .compat import check_masked_tokens_supported, check_same_vocabulary, check_supported
+from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor
+from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
+from .request import Request, check_budget_fits, validate_request
 from .self_draft import resolve_draft
-
-
-@dataclass
-class SpecExecDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """``GenerateDecoderOnlyOutput`` plus ``specexec_stats`` (tokens per target forward, tree sizes, timings)."""
-
-    specexec_stats: SpecExecStats | None = None
-
-
-class TreeLogitsProcessor:
-    """Applies a ``LogitsProcessorList`` to tree logits, each node seeing its own full path as ``input_ids``.
-
-    Processors look at the sequence they extend (repetition penalty, no-repeat n-grams, min_new_tokens, ...),
-    so a node's logits are processed with ``prefix + path to the node``, exactly what plain ``generate()``
-    would pass had it reached that node. Nodes of equal depth share a sequence length and go in one call.
-
-    Args:
-        processors: The processors ``generate()`` prepared (warpers included when sampling).
-    """
-
-    def __init__(self, processors: LogitsProcessorList):
-        self.processors = processors
-
-    def __call__(
-        self, prefix_ids: torch.Tensor, tree: TokenTree, logits: torch.Tensor, nodes: list[int]
-    ) -> torch.Tensor:
-        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` from their ``[len(nodes), vocab]`` logits."""
-        if not self.processors:
-            return logits
-        scores = logits.clone()  # the rows are the walk's cached logits; processing must not change them
-        _, tokens = tree.host_lists()  # read once per tree: the walk calls once per node it visits
-        paths = [[tokens[i] for i in tree.path(node)] for node in nodes]
-        for depth in sorted({len(path) for path in paths}):
-            rows = [i for i, path in enumerate(paths) if len(path) == depth]
-            path_ids = torch.tensor([paths[i] for i in rows], dtype=prefix_ids.dtype).view(len(rows), depth)
-            sequences = torch.cat([prefix_ids.expand(len(rows), -1), path_ids.to(prefix_ids.device)], dim=-1)
-            scores[rows] = self.processors(sequences, scores[rows])
-        return scores
-
-
-def _outputs_of(
-    outputs: ModelOutput, pending: int, length: int, path: list[int], index: int, reaches: list[int]
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Hidden states and attentions behind a step's ``index``-th committed token, shaped as plain decoding returns
-    them: the root's (the pending tokens', all of the prompt on the first step) or accepted node ``path[index - 1]``'s,
-    with attention columns for the ``length`` committed tokens and that node's ancestors on the path, in order.
-
-    Args:
-        outputs: The target forward's output over ``pending`` committed tokens and then the tree's nodes.
-        pending: Committed tokens fed before the tree; the root is the last of them.
-        length: Committed tokens before the step.
-        path: The accepted nodes.
-        index: 0 for the token chosen at the root, ``i`` for the one chosen at ``path[i - 1]``.
-        reaches: Per layer, its window or chunk (0: full attention). Plain decoding's cache keeps only that many
-            keys of such a layer after the prompt, so its attention rows are that long.
-    """
-    rows = slice(0, pending) if index == 0 else slice(pending + path[index - 1] - 1, pending + path[index - 1])
-    columns = torch.cat([torch.arange(length), length - 1 + torch.tensor(path[:index], dtype=torch.long)])
-    prompt = index == 0 and pending == length
-    # Token rows are the second-to-last dimension (Gemma 3n stacks its AltUp streams in front of the batch).
-    hidden = tuple(state[..., rows, :] for state in outputs.hidden_states or ())
-    attentions = tuple(
-        weights[..., rows, :][..., (columns if prompt or not reach else columns[-reach:]).to(weights.device)]
-        for weights, reach in zip(outputs.attentions or (), reaches)
-    )
-    return hidden, attentions
-
 
 @torch.no_grad()
 def generate(
@@ -133,7 +50,7 @@ def generate(
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
-    tree_search: SearchFn = grow_tree,
+    tree_search: SearchPolicy = grow_tree,
     tokenizer=None,
     assistant_tokenizer=None,
     **model_kwargs,
@@ -159,16 +76,55 @@ def generate(
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
-        tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks).
+        tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks); the acceptance
+            map and drawn children apply to policies that support them (``ranks_children``, ``draws_children``).
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
         model_kwargs: What ``generate()`` prepared: ``attention_mask`` and ``position_ids`` (any padding or holes),
             per-token inputs such as ``token_type_ids``, and its own cache bookkeeping (see
             :mod:`specexec_hf.hf.request`).
     """
-    draft_model = draft_model if draft_model is not None else assistant_model
-    if isinstance(draft_model, str):
-        draft_model = resolve_draft(model, draft_model)
+    draft_model, request = _checked_request(
+        model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
+        model_kwargs, synced_gpus,
+    )
+    config = (specexec_config or SpecExecConfig()).updated(
+        budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
+        max_draft_forwards=max_draft_forwards, draft_temperature=draft_temperature,
+        context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
+        sampled_children=sampled_children,
+    )
+    if config.budget != "auto":
+        check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
+    decoder = _decoder(model, draft_model, request, config, tree_search, logits_processor, generation_config)
+    recorder = OutputRecorder(
+        generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
+    )
+    # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
+    # the models see it without (the decoder counts unpadded tokens).
+    sequence = torch.cat([request.left_padding, request.input_ids], dim=-1)
+    finished = False
+    while not finished:
+        outcome = decoder.step(sequence)
+        sequence, committed, finished = _commit(sequence, outcome, stopping_criteria, recorder)
+        if streamer is not None:
+            streamer.put(sequence[0, -committed:].cpu())
+        recorder.add_step(outcome, committed)
+    if streamer is not None:
+        streamer.end()
+    return recorder.output(sequence, decoder.cache)
+
+
+def _checked_request(
+    model: PreTrainedModel,
+    draft_model: PreTrainedModel | str | None,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    synced_gpus: bool,
+) -> tuple[PreTrainedModel, Request]:
+    """The draft (a ``"self:..."`` spec resolved) and the checked request, or a clear error before any work."""
+    draft_model = resolve_draft(model, draft_model) if isinstance(draft_model, str) else draft_model
     if draft_model is None:
         raise ValueError(
             "SpecExec needs a draft model: pass assistant_model=<small causal LM with the same tokenizer> "
@@ -179,158 +135,55 @@ def generate(
     if request.has_masked_tokens:
         check_masked_tokens_supported(model)
     check_same_vocabulary(model, draft_model)
-    config = (specexec_config or SpecExecConfig()).updated(
-        budget=budget,
-        max_depth=max_depth,
-        max_branch=max_branch,
-        expand_per_forward=expand_per_forward,
-        max_draft_forwards=max_draft_forwards,
-        draft_temperature=draft_temperature,
-        context_match_weights=context_match_weights,
-        acceptance_calibration=acceptance_calibration,
-        sampled_children=sampled_children,
-    )
-    if config.budget != "auto":
-        check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
-    draft_temperature, match_weights = ranking_setting(
-        draft_model, config, generation_config.do_sample, generation_config.temperature
-    )
-    # Static trees fix their own shape and children.
-    calibrate = config.acceptance_calibration and tree_search is grow_tree
-    sampled_children = generation_config.do_sample and config.sampled_children and tree_search is grow_tree
+    return draft_model, request
+
+
+def _decoder(
+    model: PreTrainedModel,
+    draft_model: PreTrainedModel,
+    request: Request,
+    config: SpecExecConfig,
+    tree_search: SearchPolicy,
+    logits_processor: LogitsProcessorList,
+    generation_config: GenerationConfig,
+) -> SpecExecDecoder:
+    """The decoder for one ``generate()`` call: its drafter (with the draft's calibrated ranking settings, and the
+    acceptance map and drawn children where the policy supports them), ``budget="auto"`` and the choice rule."""
+    do_sample = generation_config.do_sample
+    draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
+    calibrate = config.acceptance_calibration and tree_search.ranks_children
+    sampled_children = do_sample and config.sampled_children and tree_search.draws_children
     drafter = SpecExecCandidateGenerator(
         draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
         acceptance_map=shared_acceptance_map(
-            draft_model, generation_config.do_sample, draft_temperature, match_weights, sampled_children
+            draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
         sampled_children=sampled_children,
     )
     auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
-    processor = TreeLogitsProcessor(logits_processor)
-    stats = specexec_stats if specexec_stats is not None else SpecExecStats()
-    cache = new_cache()  # generate()'s own (empty) cache would keep sliding layers to one window
-    keep_scores, keep_logits = generation_config.output_scores, generation_config.output_logits
-    all_scores: list[torch.Tensor] = []
-    all_logits: list[torch.Tensor] = []
-    keep_hidden, keep_attentions = generation_config.output_hidden_states, generation_config.output_attentions
-    all_hidden: list[tuple[torch.Tensor, ...]] = []
-    all_attentions: list[tuple[torch.Tensor, ...]] = []
-    spans = attention_spans(model.config)
-    layer_reaches = [spans[kind].reach() if kind in spans else 0 for kind in decoder_layer_types(model.config)]
     # Near-ties: how far rounding in the target's dtype can move its logits (see core.precision).
-    logits_eps = torch.finfo(model.dtype).eps
-    head_width = model.config.get_text_config().hidden_size
-
-    # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
-    # the models see it without (``length``, ``cached`` and cache slots count unpadded tokens).
-    padding = request.left_padding.shape[1]
-    sequence = torch.cat([request.left_padding, request.input_ids], dim=-1)
-    cached = 0
-    finished = False
-    while not finished:
-        length = sequence.shape[1] - padding
-        depth_left = generation_config.max_length - sequence.shape[1] - 1
-        started = time.perf_counter()
-        if auto_budget is not None:
-            drafter.config = config.updated(budget=auto_budget.choose(depth_left))
-        grown = drafter.grow_tree(request.draft_history(sequence[:, padding:]), max_depth=depth_left)
-        tree = grown.tree
-        drafted = time.perf_counter()
-
-        # One target forward: the committed tokens it has not seen (ending with the root), then the tree. Each node
-        # takes the position after its parent's; sliding windows and chunks count sequence indices, as in plain
-        # decoding, where a node at depth d would sit at index length - 1 + d.
-        pending = sequence[0, padding + cached :]
-        tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
-        committed_positions = request.positions_of(cached, length).to(pending)
-        depths = tree.depths[1:].to(pending)
-        positions = torch.cat([committed_positions, committed_positions[-1] + depths])
-        indices = torch.cat([torch.arange(cached, length, device=pending.device), length - 1 + depths])
-        visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
-        if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
-            visible[:, :length] &= request.attended_keys(length).to(visible.device)
-        extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
-        logits = node_logits(
-            model, tokens, positions, cache, tree.num_nodes, visible, extra_inputs, span_positions=indices,
-            hidden_states=keep_hidden, attentions=keep_attentions,
-        )
-        verified = time.perf_counter()
-
-        step_scores: list[torch.Tensor] = []
-        near_tied: list[int] = []  # indices into step_scores whose choice rounding could flip (see core.precision)
-        sampled_from: list[torch.Tensor] = []  # when sampling, the distribution of each choice, for the drafter
-        drawn_children: dict[int, list[int]] = {}  # node -> its children's tokens, in the order they were drawn
-        if sampled_children:
-            for parent, token in zip(*tree.host_lists()):  # the host copy the walk reads anyway
-                drawn_children.setdefault(parent, []).append(token)
-
-        def choose(node: int) -> int:
-            scores = processor(sequence, tree, logits.row(node), [node])
-            step_scores.append(scores)
-            if not generation_config.do_sample:
-                token, tied = greedy_choice(scores, logits_eps, head_width).tolist()  # one host read for both
-                if tied:
-                    near_tied.append(len(step_scores) - 1)
-                return token
-            sampled_from.append(torch.softmax(scores, dim=-1))
-            if node in drawn_children:
-                candidates = torch.tensor(drawn_children[node])
-                return rejection_sample(sampled_from[-1][0], drafter.draft_probs(grown, node), candidates, SAMPLED_AFTER)
-            return int(torch.multinomial(sampled_from[-1], 1))
-
-        acceptance = acceptance_walk(tree, choose)
-        drafter.observe(grown, acceptance.tokens, sampled_from or None)
-        if auto_budget is not None:
-            auto_budget.observe(tree, acceptance, drafted - started)
-        # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
-        compact_cache(cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
-        cached = length + len(acceptance.path)
-
-        # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
-        extended = torch.cat([sequence, sequence.new_tensor([acceptance.tokens])], dim=-1)
-        committed = 0
-        for scores, node in zip(step_scores, [0, *acceptance.path]):
-            committed += 1
-            sequence = extended[:, : extended.shape[1] - len(acceptance.tokens) + committed]
-            if keep_scores:
-                all_scores.append(scores)
-            if keep_logits:
-                all_logits.append(logits.row(node))
-            if keep_hidden or keep_attentions:
-                hidden, attentions = _outputs_of(
-                    logits.outputs, pending.numel(), length, acceptance.path, committed - 1, layer_reaches
-                )
-                all_hidden.append(hidden)
-                all_attentions.append(attentions)
-            if bool(stopping_criteria(sequence, scores).any()):
-                finished = True
-                break
-        if streamer is not None:
-            streamer.put(sequence[0, -committed:].cpu())
-        stats.steps.append(
-            StepStats(
-                tree_size=tree.num_nodes,
-                accepted=committed,
-                draft_forwards=grown.draft_forwards,
-                draft_seconds=drafted - started,
-                target_seconds=verified - drafted,
-                path_length=len(acceptance.path),
-                # Node scores are cumulative log-probabilities of acceptance (the ranking's own estimate).
-                forecast=float(tree.logprobs[1:].double().exp().sum()),
-                near_tied=tuple(near_tied),
-            )
-        )
-
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return sequence
-    return SpecExecDecoderOnlyOutput(
-        sequences=sequence,
-        scores=tuple(all_scores) if keep_scores else None,
-        logits=tuple(all_logits) if keep_logits else None,
-        hidden_states=tuple(all_hidden) if keep_hidden else None,
-        attentions=tuple(all_attentions) if keep_attentions else None,
-        past_key_values=cache if generation_config.use_cache else None,
-        specexec_stats=stats,
+    rule = ChoiceRule(
+        TreeLogitsProcessor(logits_processor), do_sample, torch.finfo(model.dtype).eps,
+        model.config.get_text_config().hidden_size,
     )
+    trace = (generation_config.output_hidden_states, generation_config.output_attentions)
+    return SpecExecDecoder(model, drafter, request, rule, generation_config.max_length, auto_budget, trace)
+
+
+def _commit(
+    sequence: torch.Tensor, outcome: StepOutcome, stopping_criteria: StoppingCriteriaList, recorder: OutputRecorder
+) -> tuple[torch.Tensor, int, bool]:
+    """Appends the step's tokens one at a time, recording each and checking the stopping criteria after it.
+
+    Returns:
+        The longer sequence, how many tokens it gained (tokens after a stop are dropped), and whether it stopped.
+    """
+    tokens = outcome.acceptance.tokens
+    # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
+    extended = torch.cat([sequence, sequence.new_tensor([tokens])], dim=-1)
+    for index, scores in enumerate(outcome.scores):
+        sequence = extended[:, : extended.shape[1] - len(tokens) + index + 1]
+        recorder.add_token(outcome, index)
+        if bool(stopping_criteria(sequence, scores).any()):
+            return sequence, index + 1, True
+    return sequence, len(tokens), False

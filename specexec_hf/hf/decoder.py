@@ -1,0 +1,245 @@
+"""One SpecExec step, named: :meth:`SpecExecDecoder.step`.
+
+The draft grows a tree under the last committed token; the target scores the pending committed tokens and the whole
+tree in one forward; the acceptance walk takes the target's own choices down the tree (:class:`TargetChoice`, the
+rule plain decoding applies, node by node) plus one bonus token; the target's cache keeps only the committed path
+(the draft's is cut on the next tree). The target's cache always holds every committed token but the last, which
+becomes the next tree's root. What the step did comes back as a :class:`StepOutcome`; committing its tokens against
+the stopping criteria and recording outputs is the caller's (:mod:`.generation`, :mod:`.outputs`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation import LogitsProcessorList
+
+from ..core.masks import chain_and_tree_mask
+from ..core.precision import greedy_choice
+from ..core.search import SearchResult
+from ..core.tree import TokenTree
+from ..core.verify import Acceptance, acceptance_walk, rejection_sample
+from .autobudget import AutoBudget
+from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
+from .compat import NodeLogits, node_logits
+from .kv import compact_cache, new_cache
+from .request import Request
+
+
+class TreeLogitsProcessor:
+    """Applies a ``LogitsProcessorList`` to tree logits, each node seeing its own full path as ``input_ids``.
+
+    Processors look at the sequence they extend (repetition penalty, no-repeat n-grams, min_new_tokens, ...),
+    so a node's logits are processed with ``prefix + path to the node``, exactly what plain ``generate()``
+    would pass had it reached that node. Nodes of equal depth share a sequence length and go in one call.
+
+    Args:
+        processors: The processors ``generate()`` prepared (warpers included when sampling).
+    """
+
+    def __init__(self, processors: LogitsProcessorList):
+        self.processors = processors
+
+    def __call__(
+        self, prefix_ids: torch.Tensor, tree: TokenTree, logits: torch.Tensor, nodes: list[int]
+    ) -> torch.Tensor:
+        """Processed scores ``[len(nodes), vocab]`` for tree ``nodes`` from their ``[len(nodes), vocab]`` logits."""
+        if not self.processors:
+            return logits
+        scores = logits.clone()  # the rows are the walk's cached logits; processing must not change them
+        _, tokens = tree.host_lists()  # read once per tree: the walk calls once per node it visits
+        paths = [[tokens[i] for i in tree.path(node)] for node in nodes]
+        for depth in sorted({len(path) for path in paths}):
+            rows = [i for i, path in enumerate(paths) if len(path) == depth]
+            path_ids = torch.tensor([paths[i] for i in rows], dtype=prefix_ids.dtype).view(len(rows), depth)
+            sequences = torch.cat([prefix_ids.expand(len(rows), -1), path_ids.to(prefix_ids.device)], dim=-1)
+            scores[rows] = self.processors(sequences, scores[rows])
+        return scores
+
+
+@dataclass(frozen=True)
+class ChoiceRule:
+    """How the target picks its token at a node: what plain decoding does with its logits there.
+
+    Args:
+        processor: The logits processors, applied with the node's path as the sequence.
+        do_sample: Draw from the processed scores' softmax; else take their argmax.
+        logits_eps: Machine epsilon of the target's dtype, and
+        head_width: the width of its LM head's dot products: together they bound how far rounding moves a logit
+            (:func:`~specexec_hf.core.precision.greedy_choice` flags greedy choices within that of a tie).
+    """
+
+    processor: TreeLogitsProcessor
+    do_sample: bool
+    logits_eps: float
+    head_width: int
+
+
+class TargetChoice:
+    """One step's ``choose`` for :func:`~specexec_hf.core.verify.acceptance_walk`, and what the walk saw.
+
+    Greedy: the argmax of the node's processed scores, noting near-ties. Sampling: a draw from their softmax, by
+    recursive rejection sampling over the node's children when they were drawn from the draft (exact either way).
+
+    Args:
+        rule: The choice rule.
+        sequence: ``[1, L]`` the committed tokens (with any left padding), the prefix every node's path extends.
+        grown: The step's search result; its tree is walked.
+        logits: The target's logits per tree node.
+        drafter: Gives the draft distribution drawn children came from, when ``drawn_children``.
+        drawn_children: The tree's children other than each node's first were drawn from the draft.
+    """
+
+    def __init__(
+        self,
+        rule: ChoiceRule,
+        sequence: torch.Tensor,
+        grown: SearchResult,
+        logits: NodeLogits,
+        drafter: SpecExecCandidateGenerator,
+        drawn_children: bool,
+    ):
+        self.rule, self.sequence, self.grown, self.logits, self.drafter = rule, sequence, grown, logits, drafter
+        self.scores: list[torch.Tensor] = []  # [1, vocab] processed scores of each choice, in walk order
+        self.near_tied: list[int] = []  # indices into scores whose choice rounding could flip (see core.precision)
+        self.sampled_from: list[torch.Tensor] = []  # when sampling, the distribution of each choice, for the drafter
+        self.children: dict[int, list[int]] = {}  # node -> its children's tokens, in the order they were drawn
+        if drawn_children:
+            for parent, token in zip(*grown.tree.host_lists()):  # the host copy the walk reads anyway
+                self.children.setdefault(parent, []).append(token)
+
+    def __call__(self, node: int) -> int:
+        """The target's token at tree ``node``."""
+        rule = self.rule
+        scores = rule.processor(self.sequence, self.grown.tree, self.logits.row(node), [node])
+        self.scores.append(scores)
+        if not rule.do_sample:
+            token, tied = greedy_choice(scores, rule.logits_eps, rule.head_width).tolist()  # one host read for both
+            if tied:
+                self.near_tied.append(len(self.scores) - 1)
+            return token
+        self.sampled_from.append(torch.softmax(scores, dim=-1))
+        if node in self.children:
+            candidates = torch.tensor(self.children[node])
+            draft = self.drafter.draft_probs(self.grown, node)
+            return rejection_sample(self.sampled_from[-1][0], draft, candidates, SAMPLED_AFTER)
+        return int(torch.multinomial(self.sampled_from[-1], 1))
+
+
+@dataclass
+class StepOutcome:
+    """What one :meth:`SpecExecDecoder.step` did.
+
+    Args:
+        grown: The draft's search result (``grown.tree``: the verified tree, node 0 the root).
+        acceptance: The walk: the accepted nodes and the tokens to commit (theirs, then the bonus token).
+        scores: ``[1, vocab]`` processed scores behind each of ``acceptance.tokens``, in order.
+        near_tied: Indices into ``scores`` of near-tied greedy choices.
+        logits: The target's logits per tree node (``outputs`` holds hidden states and attentions when asked).
+        length: Committed tokens (without left padding) before the step.
+        pending: Committed tokens fed to the target before the tree (the last is the root).
+        draft_seconds: Time spent growing the tree.
+        target_seconds: Time spent in the target's forward.
+    """
+
+    grown: SearchResult
+    acceptance: Acceptance
+    scores: list[torch.Tensor]
+    near_tied: list[int]
+    logits: NodeLogits
+    length: int
+    pending: int
+    draft_seconds: float
+    target_seconds: float
+
+
+class SpecExecDecoder:
+    """SpecExec decoding of one sequence, one :meth:`step` at a time; owns the target's KV cache.
+
+    Args:
+        model: The target.
+        drafter: Grows the trees (its draft cache persists across steps).
+        request: The checked inputs (padding, positions, per-token inputs, masked tokens).
+        rule: The target's choice rule.
+        max_length: No step commits past this many tokens (left padding included).
+        auto_budget: Picks each tree's budget (``budget="auto"``), else ``None``.
+        trace: Keep the target's hidden states and attention weights (``output_hidden_states`` /
+            ``output_attentions``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        drafter: SpecExecCandidateGenerator,
+        request: Request,
+        rule: ChoiceRule,
+        max_length: int,
+        auto_budget: AutoBudget | None = None,
+        trace: tuple[bool, bool] = (False, False),
+    ):
+        self.model, self.drafter, self.request, self.rule = model, drafter, request, rule
+        self.max_length, self.auto_budget, self.trace = max_length, auto_budget, trace
+        self.padding = request.left_padding.shape[1]
+        self.cache = new_cache()  # generate()'s own (empty) cache would keep sliding layers to one window
+        self.cached = 0  # committed tokens (without left padding) in the target's cache
+
+    def step(self, sequence: torch.Tensor) -> StepOutcome:
+        """One step after the committed ``sequence`` (``[1, L]``, left padding included): draft, verify, walk.
+
+        The caller commits ``outcome.acceptance.tokens`` (or a prefix, if a stopping criterion fires) and passes the
+        longer sequence to the next step.
+        """
+        length = sequence.shape[1] - self.padding
+        started = time.perf_counter()
+        grown = self._draft(sequence)
+        drafted = time.perf_counter()
+        logits = self._verify(sequence, grown.tree)
+        verified = time.perf_counter()
+        choice = TargetChoice(
+            self.rule, sequence, grown, logits, self.drafter, drawn_children=self.drafter.sampled_children
+        )
+        acceptance = acceptance_walk(grown.tree, choice)
+        self.drafter.observe(grown, acceptance.tokens, choice.sampled_from or None)
+        if self.auto_budget is not None:
+            self.auto_budget.observe(grown.tree, acceptance, drafted - started)
+        # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
+        compact_cache(self.cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
+        pending = length - self.cached
+        self.cached = length + len(acceptance.path)
+        return StepOutcome(
+            grown, acceptance, choice.scores, choice.near_tied, logits, length, pending,
+            draft_seconds=drafted - started, target_seconds=verified - drafted,
+        )
+
+    def _draft(self, sequence: torch.Tensor) -> SearchResult:
+        """The draft's tree under the last committed token, no deeper than ``max_length`` leaves room for."""
+        depth_left = self.max_length - sequence.shape[1] - 1
+        if self.auto_budget is not None:
+            self.drafter.config = self.drafter.config.updated(budget=self.auto_budget.choose(depth_left))
+        return self.drafter.grow_tree(self.request.draft_history(sequence[:, self.padding :]), max_depth=depth_left)
+
+    def _verify(self, sequence: torch.Tensor, tree: TokenTree) -> NodeLogits:
+        """One target forward: the committed tokens it has not seen (ending with the root), then the tree.
+
+        Each node takes the position after its parent's; sliding windows and chunks count sequence indices, as in
+        plain decoding, where a node at depth d would sit at index length - 1 + d.
+        """
+        request, cached, length = self.request, self.cached, sequence.shape[1] - self.padding
+        pending = sequence[0, self.padding + cached :]
+        tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
+        committed_positions = request.positions_of(cached, length).to(pending)
+        depths = tree.depths[1:].to(pending)
+        positions = torch.cat([committed_positions, committed_positions[-1] + depths])
+        indices = torch.cat([torch.arange(cached, length, device=pending.device), length - 1 + depths])
+        visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
+        if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
+            visible[:, :length] &= request.attended_keys(length).to(visible.device)
+        extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
+        hidden_states, attentions = self.trace
+        return node_logits(
+            self.model, tokens, positions, self.cache, tree.num_nodes, visible, extra_inputs, span_positions=indices,
+            hidden_states=hidden_states, attentions=attentions,
+        )
