@@ -32,6 +32,7 @@ from ``SPECEXEC_OFFLOAD``); :func:`disarm` reverses it for later loads.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
@@ -53,6 +54,8 @@ PARAMETER_ALIGNMENT = 64
 OFFLOAD_FILE_PREFIX = "specexec-vllm-target-"
 # The target model's attribute holding its streamer (probes read it through collective_rpc).
 STREAMER_ATTRIBUTE = "_specexec_offload"
+# Under the "vllm" logger namespace, so the message shows with vLLM's own log handlers.
+logger = logging.getLogger("vllm.specexec_hf")
 
 
 def check_vllm_version(version: str) -> None:
@@ -295,8 +298,14 @@ def _load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> 
     if layer_file is not None:
         armed = _ARMED[0]
         layer_file.flush()
-        setattr(model, STREAMER_ATTRIBUTE, armed.stream_layers(layer_file, armed.settings.prefetch))
+        streamer = armed.stream_layers(layer_file, armed.settings.prefetch)
+        setattr(model, STREAMER_ATTRIBUTE, streamer)
         layer_file.close()
+        logger.info(
+            "SpecExec offload: %d decoder layers (%.1f MiB) stream from %s through a ring of %.1f MiB, %d read ahead.",
+            len(layer_file.layers), layer_file.nbytes / 2**20, armed.settings.folder,
+            getattr(streamer, "buffer_bytes", 0) / 2**20, armed.settings.prefetch,
+        )  # fmt: skip
     return model
 
 
