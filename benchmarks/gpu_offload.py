@@ -1177,6 +1177,7 @@ def remake_projections(report: dict[str, Any], tiny: bool) -> None:
 
 def save(report: dict[str, Any], out: Path, tiny: bool) -> None:
     """Writes gpu_offload.json, .md and .png (the JSON by rename, so a killed run never leaves half a file)."""
+    report["notes"] = list(dict.fromkeys(report["notes"]))  # each section's process repeats the general ones
     remake_projections(report, tiny)
     staged = out / "gpu_offload.json.part"
     staged.write_text(json.dumps(report, indent=2, default=str))

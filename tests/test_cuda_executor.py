@@ -452,7 +452,16 @@ def test_cuda_forward_synchronizes_nothing(monkeypatch):
 @needs_cuda
 def test_cuda_pin_falls_back_to_torchs_pinned_allocator_when_registration_fails(monkeypatch):
     device = CudaDevice(0)
-    monkeypatch.setattr(torch.cuda.cudart(), "cudaHostRegister", lambda *args: 2)  # cudaErrorMemoryAllocation
+    cudart = torch.cuda.cudart()
+    register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
+
+    def failing_register(address, nbytes, flags):  # a real failure, which leaves CUDA's last error set
+        assert register(address, nbytes, flags) == cudart.cudaError.success
+        status = register(address, nbytes, flags)  # cudaErrorHostMemoryAlreadyRegistered
+        unregister(address)
+        return status
+
+    monkeypatch.setattr(cudart, "cudaHostRegister", failing_register)
     with pytest.warns(RuntimeWarning, match="cudaHostRegister"):
         host = device.pin(1000)
     assert host.is_pinned() and host.numel() == 1000
@@ -461,7 +470,8 @@ def test_cuda_pin_falls_back_to_torchs_pinned_allocator_when_registration_fails(
     device.host_wait(device.copy(slot, host, after=device.compute_record()))
     assert slot.eq(3).all()
     device.unpin(host)
-    torch.cuda.synchronize()  # no CUDA error left behind by the failed registration
+    (torch.ones(4, device="cuda") + 1).sum().item()  # a kernel launch check would raise a stale error
+    torch.cuda.synchronize()
 
 
 def quantized_pair(folder: str, weights: str):

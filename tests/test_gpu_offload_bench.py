@@ -160,7 +160,7 @@ def test_an_executor_s_model_is_freed_before_the_next_one_is_placed(tmp_path):
 def test_quantized_layers_stream_their_packed_bytes(tmp_path):
     """--weights int4: the stream executor and the resident floor run; what streams is the packed int4 layers plus
     the 16-bit head, far below the float layers' bytes; the whole-shape extrapolation scales the layers only."""
-    assert gpu_offload.main(["--tiny", "--weights", "int4", "--out", str(tmp_path), "--time-budget", "300"]) == 0
+    assert gpu_offload.main(["--tiny", "--weights", "int4", "--sections", "link", "forward", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_offload.json").read_text())
     (shape,) = report["shapes"]
     assert shape["dtype"] == "float32, int4 layers" and set(shape["executors"]) == {"stream", "resident"}
@@ -171,7 +171,7 @@ def test_quantized_layers_stream_their_packed_bytes(tmp_path):
     assert stream["head_bytes"] == config.vocab_size * config.hidden_size * 4
     assert 0 < stream["streamed_bytes"] - stream["head_bytes"] < 0.25 * float_layers
     assert stream["full_shape_seconds"] == stream["seconds"]  # every layer of the tiny shape was built
-    assert "errors" not in report
+    assert report["errors"] == []
 
 
 points = st.dictionaries(st.integers(1, 4096), st.floats(1e-3, 10.0), min_size=2, max_size=6)

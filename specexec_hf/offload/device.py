@@ -8,6 +8,7 @@ a copy that could overwrite a buffer the compute may still read, or a copy from 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -113,15 +114,16 @@ class CudaDevice(StreamDevice):
         host = torch.empty(nbytes, dtype=torch.uint8)
         if not nbytes:
             return host
+        cudart = torch.cuda.cudart()
         with torch.cuda.device(self.device):  # registered for this GPU's context, whichever device is current
-            status = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
-            if status == 0:
+            status = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+            if status == cudart.cudaError.success:
                 self._registered.add(host.data_ptr())
                 return host
             # Registration can fail where plain allocations cannot be page-locked (some containers, a memlock
             # limit): torch's pinned allocator then pins a buffer rounded up to a power of two, at twice the RAM
-            # at worst. The failed call's error is cleared so that it is not reported by a later CUDA call.
-            torch.cuda.cudart().cudaGetLastError()
+            # at worst. The failed call's error is cleared first: torch's next kernel-launch check would raise it.
+            _clear_last_cuda_error()
             warnings.warn(f"cudaHostRegister of {nbytes} bytes failed ({status}): pinning with torch's allocator "
                           "instead, which rounds the size up to a power of two", RuntimeWarning, stacklevel=2)
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -154,6 +156,22 @@ class CudaDevice(StreamDevice):
 
     def drain(self) -> None:
         self._copy_stream.synchronize()
+
+
+def _clear_last_cuda_error() -> None:
+    """Calls ``cudaGetLastError`` (which ``torch.cuda.cudart()`` does not bind) in the CUDA runtime torch loaded.
+
+    Raises:
+        RuntimeError: No loaded library exports it (then a later kernel-launch check would report a stale error).
+    """
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "libcudart" in line}
+    for library in [*sorted(libraries), None]:  # None: the symbols of the process, for a runtime linked statically
+        clear = getattr(ctypes.CDLL(library), "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+            return
+    raise RuntimeError("cannot clear the error of a failed CUDA call: no loaded library exports cudaGetLastError")
 
 
 class OrderingError(RuntimeError):
