@@ -92,7 +92,7 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
 @pytest.mark.parametrize("device", DEVICES)
 @given(arch=st.sampled_from(sorted(ARCHITECTURES)), seed=st.integers(0, 2**16), hooked_head=st.booleans())
 def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, hooked_head):
-    from specexec_hf.hf.compat import VERIFIED_MODEL_TYPES, model_logits, node_logits
+    from specexec_hf.hf.forward import VERIFIED_MODEL_TYPES, Feed, model_logits, node_logits
 
     model = tiny_model(arch, seed=seed).to(device)
     if hooked_head:  # e.g. an offloading hook: the head must then run inside the model's own forward
@@ -102,8 +102,8 @@ def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, hooked
     visible[6:, 3:6] = False  # three nodes under token 2 that do not see each other's siblings
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5])
     tokens, visible, positions = on_device(device, tokens, visible, positions)
-    expected = model_logits(model, tokens, positions, new_cache(), 7, visible)
-    lazy = node_logits(model, tokens, positions, new_cache(), 7, visible)
+    expected = model_logits(model, Feed(new_cache(), tokens, positions, visible, 7))
+    lazy = node_logits(model, Feed(new_cache(), tokens, positions, visible, 7))
     assert (lazy.hidden is None) == (hooked_head or model.config.model_type not in VERIFIED_MODEL_TYPES)
     # The same forward up to the head; the head then sums over the hidden size for one row instead of nine.
     bound = rounding_bound(compute_dtype(model), reduction=model.config.hidden_size)

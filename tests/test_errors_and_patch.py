@@ -12,6 +12,7 @@ from transformers.generation.utils import GenerationMixin
 import specexec_hf
 from specexec_hf import SpecExecConfig
 from specexec_hf.hf.compat import UnsupportedModelError
+from specexec_hf.hf.forward import Feed
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 
@@ -186,8 +187,9 @@ def test_unverified_architecture_failing_the_probe_is_refused(monkeypatch):
     monkeypatch.setattr(compat, "VERIFIED_MODEL_TYPES", frozenset())
     original_logits = compat.model_logits
 
-    def ignores_masks(model, input_ids, position_ids, cache, num_logits, visible=None):
-        return original_logits(model, input_ids, torch.arange(input_ids.numel()), cache, num_logits)
+    def ignores_masks(model, feed):
+        return original_logits(model, Feed(feed.cache, feed.tokens, torch.arange(feed.tokens.numel()), None,
+                                           feed.num_logits))
 
     monkeypatch.setattr(compat, "model_logits", ignores_masks)
     monkeypatch.setattr(compat, "_probe_verdicts", {})

@@ -6,7 +6,8 @@
 - :mod:`.candidate_generator`: the draft side's tree ranking and learning (``SpecExecCandidateGenerator``);
   :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever the tree policy;
 - :mod:`.draft_cache`: the draft's KV cache kept across steps, and the feeds that grow a tree into it;
-- :mod:`.compat`: what a model must support, checked up front, and the forward/logit helpers;
+- :mod:`.forward`: the forward path: one ``Feed`` record for draft and target, logits, the lazy LM head;
+- :mod:`.compat`: what a model must support, checked up front (checks, probes, vocabulary, execution device);
 - :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
 - :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache;
 - :mod:`.self_draft`: the target itself, quantized, as a draft (``"self:int4"`` / ``"self:int8"``).

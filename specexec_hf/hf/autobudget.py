@@ -35,7 +35,8 @@ from ..core.static_trees import best_first_nodes
 from ..core.tree import TokenTree
 from ..core.verify import Acceptance
 from .cache_dir import cache_root
-from .compat import execution_device, model_logits, node_logits
+from .compat import execution_device
+from .forward import Feed, model_logits, node_logits
 from .kv import compact_cache, new_cache
 
 DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -82,7 +83,7 @@ def measure_forward_profile(
     vocab = model.config.vocab_size
     cache = new_cache()
     context = torch.arange(PROFILE_CONTEXT, device=device) % vocab
-    model_logits(model, context, torch.arange(PROFILE_CONTEXT, device=device), cache, 1)
+    model_logits(model, Feed(cache, context, torch.arange(PROFILE_CONTEXT, device=device), None, 1))
     seconds = {}
     for size in [min(sizes), *sorted(sizes)]:  # the first run warms up kernels and allocator
         tokens = torch.arange(size, device=device) % vocab
@@ -93,7 +94,7 @@ def measure_forward_profile(
             started = time.perf_counter()
             # As in a SpecExec step: the tree forward, then the logits of the nodes the walk visits (about one),
             # read on the host, which also waits for an accelerator's queued work.
-            node_logits(model, tokens, positions, cache, size, visible).row(0).argmax().item()
+            node_logits(model, Feed(cache, tokens, positions, visible, size)).row(0).argmax().item()
             runs.append(time.perf_counter() - started)
             compact_cache(cache, PROFILE_CONTEXT, torch.empty(0, dtype=torch.long))
         seconds[size] = min(runs)

@@ -29,7 +29,8 @@ from ..core.search import SearchPolicy, SearchResult, TopCandidates, TreeSearch,
 from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
 from .compat import check_supported
-from .draft_cache import DraftCache, DraftFeed, forward_feeds
+from .draft_cache import DraftCache, forward_feeds
+from .forward import Feed
 
 SAMPLED_AFTER = 1
 """With ``sampled_children``, how many of a node's children are its top tokens, fixed, before the drawn ones: where
@@ -135,7 +136,7 @@ class SpecExecCandidateGenerator:
             self._context.sync(history)
         return self.search.start(history[-1], self.config, max_depth, self.draft_cache.device)
 
-    def feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
+    def feed(self, pool: TokenTree, nodes: torch.Tensor) -> Feed:
         """What the draft runs to expand the search's pool ``nodes`` (see :meth:`.DraftCache.feed`)."""
         return self.draft_cache.feed(pool, nodes)
 

@@ -7,15 +7,13 @@ import itertools
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from ..core.masks import additive_mask, causal_pattern, chain_and_tree_mask
-from .attention_spans import SUPPORTED_LAYER_TYPES, attention_spans, decoder_layer_types, span_masks
-from .kv import new_cache, record_positions
+from ..core.masks import causal_pattern, chain_and_tree_mask
+from .attention_spans import SUPPORTED_LAYER_TYPES, attention_spans, decoder_layer_types
+from .forward import VERIFIED_MODEL_TYPES, Feed, model_logits
+from .kv import new_cache
 
-# Families whose attention is known to honour a custom 4-D mask together with explicit position_ids; the
-# test suite checks each of them against plain generate(). Others are probed numerically per configuration.
-VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 # Position biases computed from the 2-D padding mask, which a tree's 4-D mask and positions cannot steer.
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
@@ -138,205 +136,6 @@ def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, targe
         )
 
 
-def forward_inputs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    visible: torch.Tensor | None,
-    extra_inputs: dict[str, torch.Tensor] | None = None,
-    span_positions: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    """Keyword arguments of a cached forward over ``[batch, n]`` tokens with an optional bool attention pattern
-    ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack.
-
-    Sliding and chunked layers get the pattern limited to their span, measured in ``span_positions`` (a dict of
-    masks keyed by layer type when the model mixes types), which are recorded beside the cache.
-
-    Args:
-        span_positions: ``[batch, n]`` where the tokens sit for sliding windows and chunks, which transformers
-            measures in sequence indices; ``None``: ``position_ids`` (they differ only where an attention mask
-            with holes shifts the positions).
-    """
-    kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-    kwargs.update(extra_inputs or {})
-    spans = attention_spans(model.config)
-    span_positions = position_ids if span_positions is None else span_positions
-    key_positions = record_positions(cache, span_positions)
-    if all(span.is_full for span in spans.values()):
-        if visible is not None:
-            kwargs["attention_mask"] = _attention_mask(model, visible)
-        return kwargs
-    if visible is None:
-        count = position_ids.shape[-1]
-        visible = causal_pattern(count, key_positions.shape[-1] - count, position_ids.device)
-        visible = visible.expand(position_ids.shape[0], -1, -1)
-    masks = {kind: _attention_mask(model, mask) for kind, mask in
-             span_masks(visible, span_positions, key_positions, spans).items()}
-    kwargs["attention_mask"] = next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
-    return kwargs
-
-
-def _attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
-    """The ``[batch, 1, queries, keys]`` mask ``model``'s attention takes for a bool pattern, in the format
-    transformers itself gives it: bool for SDPA, additive float for eager attention. The two differ on a query that
-    sees no key (masked tokens under a sliding window): SDPA returns zeros for a bool mask, softmax averages all
-    values under a float one."""
-    if model.config._attn_implementation == "sdpa":
-        return visible.view(-1, 1, *visible.shape[-2:])
-    return additive_mask(visible, model.dtype)
-
-
-def batch_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    keep: int | torch.Tensor,
-    visible: torch.Tensor | None = None,
-    extra_inputs: dict[str, torch.Tensor] | None = None,
-    span_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
-
-    Args:
-        model: A causal LM.
-        input_ids: ``[batch, n]`` tokens to feed.
-        position_ids: ``[batch, n]`` their positions.
-        cache: The model's KV cache (batch rows as in ``input_ids``); the new tokens are appended to it.
-        keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
-        visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
-        extra_inputs, span_positions: As :func:`forward_inputs`.
-    """
-    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs, span_positions)
-    if model._supports_logits_to_keep():
-        kwargs["logits_to_keep"] = keep
-        return model(**kwargs).logits.float()
-    logits = model(**kwargs).logits
-    return (logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]).float()
-
-
-def model_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    num_logits: int,
-    visible: torch.Tensor | None = None,
-    extra_inputs: dict[str, torch.Tensor] | None = None,
-    span_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One forward over ``input_ids`` on top of ``cache``; the float32 logits of the last ``num_logits`` tokens.
-
-    Args:
-        model: A causal LM.
-        input_ids: ``[n]`` tokens to feed.
-        position_ids: ``[n]`` their positions.
-        cache: The model's KV cache; the new tokens are appended to it.
-        num_logits: How many trailing tokens need logits.
-        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
-        extra_inputs: Per-token model inputs (``token_type_ids``, ``[1, n]``) beside the tokens.
-        span_positions: ``[n]`` where the tokens sit for sliding windows and chunks (see :func:`forward_inputs`).
-    """
-    pattern = None if visible is None else visible[None]
-    return batch_logits(
-        model, input_ids[None], position_ids[None], cache, num_logits, pattern, extra_inputs, _batch_of_one(span_positions)
-    )[0]
-
-
-class NodeLogits:
-    """The target's float32 logits for each tree node, computed from its last hidden states on first use.
-
-    The acceptance walk reads the logits of the nodes it visits (the accepted path plus one), typically a handful
-    out of hundreds. Applying the LM head to those rows only, instead of to every node, saves most of the head's
-    cost: on SmolLM2-135M the head is about a fifth of a forward's work per token.
-
-    Args:
-        hidden: ``[num_nodes, hidden]`` final hidden states, or ``None`` when ``logits`` are given.
-        head: The model's output embedding (a bias-free linear layer).
-        logits: ``[num_nodes, vocab]`` precomputed logits, for models whose head cannot be applied lazily.
-        outputs: The model's whole output, when its hidden states or attention weights were asked for.
-    """
-
-    def __init__(
-        self,
-        hidden: torch.Tensor | None = None,
-        head: torch.nn.Module | None = None,
-        logits: torch.Tensor | None = None,
-        outputs: Any = None,
-    ):
-        self.hidden, self.head, self.outputs = hidden, head, outputs
-        self._rows: dict[int, torch.Tensor] = {}
-        self._logits = logits
-
-    def row(self, node: int) -> torch.Tensor:
-        """``[1, vocab]`` logits of ``node``, computed once; a copy, so callers that keep it (``output_logits``)
-        do not keep the whole tree's logits alive."""
-        if node not in self._rows:
-            if self._logits is not None:
-                self._rows[node] = self._logits[node : node + 1].clone()
-            else:
-                self._rows[node] = self.head(self.hidden[node : node + 1]).float()
-        return self._rows[node]
-
-
-def _head_applies_lazily(model: PreTrainedModel) -> bool:
-    """Whether ``logits == lm_head(last hidden state)`` can be applied outside the forward.
-
-    That holds for the verified families' plain linear heads held in memory; heads wrapped by offloading hooks
-    (weights streamed in around each call) or quantized layers go through the model's own forward instead.
-    """
-    head = model.get_output_embeddings()
-    return (
-        model.config.model_type in VERIFIED_MODEL_TYPES
-        and type(head) is torch.nn.Linear
-        and head.bias is None
-        and head.weight.device.type != "meta"
-        and not head._forward_pre_hooks
-        and not head._forward_hooks
-        and not hasattr(head, "_hf_hook")
-        and model.base_model is not model
-    )
-
-
-def node_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    num_nodes: int,
-    visible: torch.Tensor,
-    extra_inputs: dict[str, torch.Tensor] | None = None,
-    span_positions: torch.Tensor | None = None,
-    hidden_states: bool = False,
-    attentions: bool = False,
-) -> NodeLogits:
-    """One target forward over ``input_ids``; the logits of its last ``num_nodes`` tokens, per node on demand.
-
-    Args: as :func:`model_logits`, with ``num_nodes`` the trailing tokens that are tree nodes, and
-        hidden_states, attentions: Also keep every token's hidden states / attention weights, as
-            ``generate(output_hidden_states=..., output_attentions=...)`` asks, in ``NodeLogits.outputs`` (through
-            the model's own forward, which returns them).
-    """
-    traced = hidden_states or attentions
-    if not (traced or _head_applies_lazily(model)):
-        return NodeLogits(
-            logits=model_logits(model, input_ids, position_ids, cache, num_nodes, visible, extra_inputs, span_positions)
-        )
-    kwargs = forward_inputs(
-        model, input_ids[None], position_ids[None], cache, visible[None], extra_inputs, _batch_of_one(span_positions)
-    )
-    if traced:
-        outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
-        return NodeLogits(logits=outputs.logits[0, -num_nodes:].float(), outputs=outputs)
-    hidden = model.base_model(**kwargs).last_hidden_state
-    return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
-
-
-def _batch_of_one(values: torch.Tensor | None) -> torch.Tensor | None:
-    return None if values is None else values[None]
-
-
 def execution_device(model: PreTrainedModel) -> torch.device:
     """Where ``model`` takes its inputs: its input embedding's device, or where accelerate runs that embedding
     when its weights are offloaded (left on the meta device), which is the first accelerator in ``hf_device_map``,
@@ -394,8 +193,8 @@ def _masked_tokens_probe(model: PreTrainedModel) -> str:
         positions = torch.cat([prompt_positions, prompt_positions[-1] + torch.arange(1, count, device=device)])
         keys = torch.cat([attended, attended.new_ones(count - 1)])
         visible = causal_pattern(tokens.numel(), 0, device) & keys
-        ours = model_logits(model, tokens, positions, new_cache(), count, visible,
-                            span_positions=torch.arange(tokens.numel(), device=device))
+        ours = model_logits(model, Feed(new_cache(), tokens, positions, visible, count,
+                                        span_positions=torch.arange(tokens.numel(), device=device)))
         tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
         verdict = ""
         for step, expected in enumerate(plain.logits):
@@ -442,7 +241,7 @@ def _tree_attention_probe(model: PreTrainedModel) -> str:
     positions = torch.cat([torch.arange(prefix_length), prefix_length - 1 + torch.tensor(depth[1:])]).to(device)
     visible = chain_and_tree_mask(0, prefix_length, visible_tree.to(device))
     try:
-        scored = model_logits(model, tokens, positions, new_cache(), tokens.numel(), visible)
+        scored = model_logits(model, Feed(new_cache(), tokens, positions, visible, tokens.numel()))
         tree = scored[prefix_length:]
         tolerance = 1e-3 if model.dtype == torch.float32 else 3e-2
         # Each committed token as the causal prefix it ends: a model whose plain forward lets tokens see later

@@ -24,7 +24,7 @@ from ..core.tree import TokenTree
 from ..core.verify import Acceptance, acceptance_walk, rejection_sample
 from .autobudget import AutoBudget
 from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
-from .compat import NodeLogits, node_logits
+from .forward import Feed, NodeLogits, node_logits
 from .kv import compact_cache, new_cache
 from .request import Request
 
@@ -239,7 +239,5 @@ class SpecExecDecoder:
             visible[:, :length] &= request.attended_keys(length).to(visible.device)
         extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
         hidden_states, attentions = self.trace
-        return node_logits(
-            self.model, tokens, positions, self.cache, tree.num_nodes, visible, extra_inputs, span_positions=indices,
-            hidden_states=hidden_states, attentions=attentions,
-        )
+        feed = Feed(self.cache, tokens, positions, visible, tree.num_nodes, extra_inputs, span_positions=indices)
+        return node_logits(self.model, feed, hidden_states=hidden_states, attentions=attentions)

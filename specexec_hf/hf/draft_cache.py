@@ -5,21 +5,20 @@ tokens it holds, and while a tree grows, which pool node sits in which cache slo
 It only ever needs the token history: on each tree it keeps the longest part of its cache that matches the history
 (the committed tokens plus any accepted tree nodes it had already fed), cuts the rest, and feeds the draft only the
 tokens it has not seen. That serves the Hugging Face loop (history grows by the accepted tokens) and serving engines
-(history may be anything) with the same code. :func:`forward_feeds` runs several sequences' :class:`DraftFeed`
+(history may be anything) with the same code. :func:`forward_feeds` runs several sequences' :class:`Feed`
 records in one batched forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from ..core.masks import causal_pattern
 from ..core.tree import TokenTree
-from .compat import batch_logits, execution_device, model_logits
+from .compat import execution_device
+from .forward import Feed, batch_logits, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
 
 
@@ -29,31 +28,6 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-@dataclass
-class DraftFeed:
-    """One sequence's share of a draft forward.
-
-    Args:
-        cache: The sequence's draft KV cache; the fed tokens are appended to it.
-        tokens: ``[n]`` tokens to feed.
-        positions: ``[n]`` their positions.
-        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
-        num_logits: How many trailing tokens need logits.
-    """
-
-    cache: DynamicCache
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    visible: torch.Tensor | None
-    num_logits: int
-
-    def visibility(self) -> torch.Tensor:
-        """``visible``, with the causal pattern spelled out when it is ``None``."""
-        if self.visible is not None:
-            return self.visible
-        return causal_pattern(self.tokens.numel(), self.cache.get_seq_length(), self.tokens.device)
 
 
 class DraftCache:
@@ -105,7 +79,7 @@ class DraftCache:
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
 
-    def feed(self, pool: TokenTree, nodes: torch.Tensor) -> DraftFeed:
+    def feed(self, pool: TokenTree, nodes: torch.Tensor) -> Feed:
         """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
         with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""
         history = self.history
@@ -114,7 +88,7 @@ class DraftCache:
             self._fed_rows = torch.zeros(1, 0, dtype=torch.bool, device=device)
             pending = torch.tensor(history[len(self.cached_ids) :], dtype=torch.long, device=device)
             positions = torch.arange(len(self.cached_ids), len(history), device=device)
-            return DraftFeed(self.cache, pending, positions, None, 1)
+            return Feed(self.cache, pending, positions, None, 1)
         committed = len(self.cached_ids)
         fed = self.cache.get_seq_length() - committed
         count = nodes.numel()
@@ -125,7 +99,7 @@ class DraftCache:
         visible = torch.cat([parent_rows.new_ones(count, committed), parent_rows, own], dim=1)
         self._note_fed_rows(fed, visible[:, committed:])
         positions = pool.positions(len(history) - 1)[nodes]
-        return DraftFeed(self.cache, pool.tokens[nodes], positions, visible, count)
+        return Feed(self.cache, pool.tokens[nodes], positions, visible, count)
 
     def _note_fed_rows(self, fed: int, rows: torch.Tensor) -> None:
         """Stores the visibility ``rows`` of the nodes fed after the first ``fed`` tree nodes, growing the store
@@ -152,7 +126,7 @@ class DraftCache:
         self._pool, self._pool_slots = pool, slots
 
 
-def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+def forward_feeds(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.Tensor]:
     """Runs several sequences' feeds through ``model``, batching those of similar length.
 
     Feeds are sorted by length and grouped so that padding is at most half of each batch: a long prompt prefill
@@ -175,17 +149,14 @@ def forward_feeds(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[to
     logits: list[torch.Tensor | None] = [None] * len(feeds)
     for group in groups:
         if len(group) == 1:
-            feed = feeds[group[0]]
-            logits[group[0]] = model_logits(
-                model, feed.tokens, feed.positions, feed.cache, feed.num_logits, feed.visible
-            )
+            logits[group[0]] = model_logits(model, feeds[group[0]])
         else:
             for i, group_logits in zip(group, _batched_logits(model, [feeds[i] for i in group])):
                 logits[i] = group_logits
     return logits
 
 
-def _batched_logits(model: PreTrainedModel, feeds: Sequence[DraftFeed]) -> list[torch.Tensor]:
+def _batched_logits(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.Tensor]:
     """One forward for several sequences with separate caches.
 
     Row ``r`` of the batch holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the longest

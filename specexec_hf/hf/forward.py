@@ -1,0 +1,229 @@
+"""The forward path: what a model is fed over its KV cache, and the float32 logits it gives back.
+
+A :class:`Feed` is one sequence's share of a forward (its cache, tokens, positions, attention pattern and how many
+trailing logits are needed, plus the target's per-token inputs and span positions); the draft's feeds
+(:mod:`.draft_cache`) and the target's verification forward (:mod:`.decoder`) both use it. :func:`model_logits`
+runs one feed, :func:`batch_logits` a padded batch, and :func:`node_logits` the target's tree with its LM head
+applied lazily (:class:`NodeLogits`). Whether a model can take these forwards at all is :mod:`.compat`'s question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..core.masks import additive_mask, causal_pattern
+from .attention_spans import attention_spans, span_masks
+from .kv import record_positions
+
+# Families whose attention is known to honour a custom 4-D mask together with explicit position_ids, and whose
+# logits are their plain LM head applied to the last hidden state; the test suite checks each of them against plain
+# generate(). Others are probed numerically per configuration (compat), and their head runs inside their forward.
+VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+@dataclass
+class Feed:
+    """One sequence's share of a forward.
+
+    Args:
+        cache: The sequence's KV cache; the fed tokens are appended to it.
+        tokens: ``[n]`` tokens to feed.
+        positions: ``[n]`` their positions.
+        visible: ``[n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        num_logits: How many trailing tokens need logits.
+        extra_inputs: Per-token model inputs (``token_type_ids``, ``[1, n]``) beside the tokens.
+        span_positions: ``[n]`` where the tokens sit for sliding windows and chunks (see :func:`forward_inputs`);
+            ``None``: ``positions``.
+    """
+
+    cache: DynamicCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor | None
+    num_logits: int
+    extra_inputs: dict[str, torch.Tensor] | None = None
+    span_positions: torch.Tensor | None = None
+
+    def visibility(self) -> torch.Tensor:
+        """``visible``, with the causal pattern spelled out when it is ``None``."""
+        if self.visible is not None:
+            return self.visible
+        return causal_pattern(self.tokens.numel(), self.cache.get_seq_length(), self.tokens.device)
+
+    def inputs(self, model: PreTrainedModel) -> dict[str, Any]:
+        """:func:`forward_inputs` for this one sequence, as a batch of one."""
+        return forward_inputs(
+            model, self.tokens[None], self.positions[None], self.cache,
+            None if self.visible is None else self.visible[None], self.extra_inputs,
+            None if self.span_positions is None else self.span_positions[None],
+        )
+
+
+def forward_inputs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    visible: torch.Tensor | None,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of a cached forward over ``[batch, n]`` tokens with an optional bool attention pattern
+    ``[batch, n, cache_length + n]`` (``None``: causal), for the model or its decoder stack.
+
+    Sliding and chunked layers get the pattern limited to their span, measured in ``span_positions`` (a dict of
+    masks keyed by layer type when the model mixes types), which are recorded beside the cache.
+
+    Args:
+        span_positions: ``[batch, n]`` where the tokens sit for sliding windows and chunks, which transformers
+            measures in sequence indices; ``None``: ``position_ids`` (they differ only where an attention mask
+            with holes shifts the positions).
+    """
+    kwargs: dict[str, Any] = dict(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    kwargs.update(extra_inputs or {})
+    spans = attention_spans(model.config)
+    span_positions = position_ids if span_positions is None else span_positions
+    key_positions = record_positions(cache, span_positions)
+    if all(span.is_full for span in spans.values()):
+        if visible is not None:
+            kwargs["attention_mask"] = _attention_mask(model, visible)
+        return kwargs
+    if visible is None:
+        count = position_ids.shape[-1]
+        visible = causal_pattern(count, key_positions.shape[-1] - count, position_ids.device)
+        visible = visible.expand(position_ids.shape[0], -1, -1)
+    masks = {kind: _attention_mask(model, mask) for kind, mask in
+             span_masks(visible, span_positions, key_positions, spans).items()}
+    kwargs["attention_mask"] = next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
+    return kwargs
+
+
+def _attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
+    """The ``[batch, 1, queries, keys]`` mask ``model``'s attention takes for a bool pattern, in the format
+    transformers itself gives it: bool for SDPA, additive float for eager attention. The two differ on a query that
+    sees no key (masked tokens under a sliding window): SDPA returns zeros for a bool mask, softmax averages all
+    values under a float one."""
+    if model.config._attn_implementation == "sdpa":
+        return visible.view(-1, 1, *visible.shape[-2:])
+    return additive_mask(visible, model.dtype)
+
+
+def batch_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: DynamicCache,
+    keep: int | torch.Tensor,
+    visible: torch.Tensor | None = None,
+    extra_inputs: dict[str, torch.Tensor] | None = None,
+    span_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
+
+    Args:
+        model: A causal LM.
+        input_ids: ``[batch, n]`` tokens to feed.
+        position_ids: ``[batch, n]`` their positions.
+        cache: The model's KV cache (batch rows as in ``input_ids``); the new tokens are appended to it.
+        keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
+        visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
+        extra_inputs, span_positions: As :func:`forward_inputs`.
+    """
+    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs, span_positions)
+    return _kept_logits(model, kwargs, keep)
+
+
+def _kept_logits(model: PreTrainedModel, kwargs: dict[str, Any], keep: int | torch.Tensor) -> torch.Tensor:
+    """The forward's float32 logits ``[batch, kept, vocab]``, through ``logits_to_keep`` where the model takes it."""
+    if model._supports_logits_to_keep():
+        return model(**kwargs, logits_to_keep=keep).logits.float()
+    logits = model(**kwargs).logits
+    return (logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]).float()
+
+
+class NodeLogits:
+    """The target's float32 logits for each tree node, computed from its last hidden states on first use.
+
+    The acceptance walk reads the logits of the nodes it visits (the accepted path plus one), typically a handful
+    out of hundreds. Applying the LM head to those rows only, instead of to every node, saves most of the head's
+    cost: on SmolLM2-135M the head is about a fifth of a forward's work per token.
+
+    Args:
+        hidden: ``[num_nodes, hidden]`` final hidden states, or ``None`` when ``logits`` are given.
+        head: The model's output embedding (a bias-free linear layer).
+        logits: ``[num_nodes, vocab]`` precomputed logits, for models whose head cannot be applied lazily.
+        outputs: The model's whole output, when its hidden states or attention weights were asked for.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor | None = None,
+        head: torch.nn.Module | None = None,
+        logits: torch.Tensor | None = None,
+        outputs: Any = None,
+    ):
+        self.hidden, self.head, self.outputs = hidden, head, outputs
+        self._rows: dict[int, torch.Tensor] = {}
+        self._logits = logits
+
+    def row(self, node: int) -> torch.Tensor:
+        """``[1, vocab]`` logits of ``node``, computed once; a copy, so callers that keep it (``output_logits``)
+        do not keep the whole tree's logits alive."""
+        if node not in self._rows:
+            if self._logits is not None:
+                self._rows[node] = self._logits[node : node + 1].clone()
+            else:
+                self._rows[node] = self.head(self.hidden[node : node + 1]).float()
+        return self._rows[node]
+
+
+def _head_applies_lazily(model: PreTrainedModel) -> bool:
+    """Whether ``logits == lm_head(last hidden state)`` can be applied outside the forward.
+
+    That holds for the verified families' plain linear heads held in memory; heads wrapped by offloading hooks
+    (weights streamed in around each call) or quantized layers go through the model's own forward instead.
+    """
+    head = model.get_output_embeddings()
+    return (
+        model.config.model_type in VERIFIED_MODEL_TYPES
+        and type(head) is torch.nn.Linear
+        and head.bias is None
+        and head.weight.device.type != "meta"
+        and not head._forward_pre_hooks
+        and not head._forward_hooks
+        and not hasattr(head, "_hf_hook")
+        and model.base_model is not model
+    )
+
+
+def model_logits(model: PreTrainedModel, feed: Feed) -> torch.Tensor:
+    """One forward over ``feed``; the float32 logits ``[num_logits, vocab]`` of its last ``num_logits`` tokens."""
+    return _kept_logits(model, feed.inputs(model), feed.num_logits)[0]
+
+
+def node_logits(
+    model: PreTrainedModel, feed: Feed, hidden_states: bool = False, attentions: bool = False
+) -> NodeLogits:
+    """One target forward over ``feed``, whose last ``num_logits`` tokens are tree nodes; their logits, per node
+    on demand.
+
+    Args:
+        model: The target.
+        feed: The pending committed tokens and the tree's nodes.
+        hidden_states, attentions: Also keep every token's hidden states / attention weights, as
+            ``generate(output_hidden_states=..., output_attentions=...)`` asks, in ``NodeLogits.outputs`` (through
+            the model's own forward, which returns them).
+    """
+    traced = hidden_states or attentions
+    if not (traced or _head_applies_lazily(model)):
+        return NodeLogits(logits=model_logits(model, feed))
+    kwargs, num_nodes = feed.inputs(model), feed.num_logits
+    if traced:
+        outputs = model(**kwargs, output_hidden_states=hidden_states, output_attentions=attentions)
+        return NodeLogits(logits=outputs.logits[0, -num_nodes:].float(), outputs=outputs)
+    hidden = model.base_model(**kwargs).last_hidden_state
+    return NodeLogits(hidden=hidden[0, -num_nodes:], head=model.get_output_embeddings())
