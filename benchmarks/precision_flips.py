@@ -15,8 +15,9 @@ Paths: ``specexec`` (this library's ``generate()``), ``specexec_self`` (the targ
 ``vllm_tree`` (SpecExec's vLLM proposer with ``tree_verification``). Models: ``default`` (SmolLM2-135M-Instruct and
 the shipped draft, cast to the dtype), ``tiny`` (the synthetic random pair of ``synthetic_models.py``: hidden size 64,
 2 layers, draft = target + 10% noise) and ``random`` (a wider random Llama on the same tokenizer: hidden size 256,
-4 layers, 2048 output rows, its head scaled by 8; draft = target + 10% noise). float32 is the control. End-of-sequence tokens neither stop nor are masked (as vLLM's
-``ignore_eos``), so every output is ``--max-tokens`` long.
+4 layers, 2048 output rows, its head scaled by 8; draft = target + 10% noise). float32 is the control.
+End-of-sequence tokens neither stop nor are masked (as vLLM's ``ignore_eos``), so every output is ``--max-tokens``
+long.
 
     OMP_NUM_THREADS=1 python benchmarks/precision_flips.py --output-dir benchmarks/results/precision_flips
 """
@@ -115,7 +116,7 @@ def run_hf(
     """Plain greedy and the Hugging Face paths on every prompt; also the target and the prompts' ids, for vLLM."""
     from specexec_hf import SpecExecStats
     from specexec_hf.core.precision import greedy_choice
-    from specexec_hf.hf.calibrated import separate_acceptance_maps
+    from specexec_hf.hf.learnt_state import LearntState
 
     dtype = getattr(torch, dtype_name)
     target, draft, tokenizer = load_pair(model, dtype, paths)
@@ -130,7 +131,8 @@ def run_hf(
         )  # fmt: skip
         references.append(out.sequences[0, len(prompt) :].tolist())
         tied += [int(greedy_choice(scores, eps, width)[1]) for scores in out.scores]
-    rows = [{"model": model, "dtype": dtype_name, "path": "plain", "near_tied_choices": sum(tied), "choices": len(tied)}]
+    plain = {"model": model, "dtype": dtype_name, "path": "plain", "near_tied_choices": sum(tied), "choices": len(tied)}
+    rows = [plain]
     for path in args.paths:
         if path not in HF_PATHS:
             continue
@@ -138,18 +140,18 @@ def run_hf(
         started = time.perf_counter()
         outputs, stats_list = [], []
         try:
-            with separate_acceptance_maps(drafter, {}):  # each path learns from its own walks only
-                for prompt in prompts:
-                    ids = torch.tensor([prompt])
-                    kwargs: dict[str, Any] = dict(
-                        attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens, do_sample=False,
-                        assistant_model=drafter,
-                    )
-                    stats = SpecExecStats()
-                    if path != "assisted":
-                        kwargs.update(speculator="specexec", budget=args.budget, specexec_stats=stats)
-                    outputs.append(target.generate(ids, **kwargs)[0, len(prompt) :].tolist())
-                    stats_list.append(stats)
+            learnt = LearntState()  # each path learns from its own walks only
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                kwargs: dict[str, Any] = dict(
+                    attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens, do_sample=False,
+                    assistant_model=drafter,
+                )
+                stats = SpecExecStats()
+                if path != "assisted":
+                    kwargs.update(speculator="specexec", budget=args.budget, specexec_stats=stats, learnt_state=learnt)
+                outputs.append(target.generate(ids, **kwargs)[0, len(prompt) :].tolist())
+                stats_list.append(stats)
         except Exception as error:  # noqa: BLE001 - reported in the table
             rows.append(error_row(model, dtype_name, path, error))
             continue
@@ -246,14 +248,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ) or "-"  # fmt: skip
         lines.append(
             f"| {row['model']} | {row['dtype']} | {row['path']} | {row['differing']} of {row['prompts']} | {where} | "
-            f"{tied} | {row['undetected']} | {row.get('near_ties', '-')} | {row.get('tokens_per_target_forward', '-')} |"
+            f"{tied} | {row['undetected']} | {row.get('near_ties', '-')} | "
+            f"{row.get('tokens_per_target_forward', '-')} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "random", "default"], choices=["tiny", "random", "default"])
+    models = ["tiny", "random", "default"]
+    parser.add_argument("--models", nargs="+", default=models, choices=models)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--paths", nargs="+", default=[*HF_PATHS, *VLLM_PATHS], choices=[*HF_PATHS, *VLLM_PATHS])
     parser.add_argument("--max-tokens", type=int, default=32)

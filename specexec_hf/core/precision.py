@@ -23,7 +23,7 @@ Two forwards of the same node can err in opposite directions, so one logit moves
 and the gap of the top two by up to ``(2 eps + sqrt(d) eps32) (|z1| + |z2|)``. That takes the hidden state's
 difference as one rounding, which it is not (earlier layers' differences add up), so the bound is an estimate,
 checked against every measured flip in ``benchmarks/precision_flips.py``. A node is near-tied when its top-two gap
-is within the bound. In bfloat16 that is a gap under about ``4 eps |z|`` (about 8 units in the last place of the top
+is within the bound. In bfloat16 that is a gap under about ``4 eps |z|`` (4 to 8 units in the last place of the top
 logit); in float32, a few parts in a million of the logits.
 """
 

@@ -83,7 +83,8 @@ def main():
         target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
         texts = ["The capital of France is", "def fibonacci(n):", "Explain why the sky is blue.",
                  "List three uses of copper.", "Once upon a time"]
-        run("SmolLM2-135M + shipped draft", target, draft, [tokenizer(t, return_tensors="pt").input_ids for t in texts], 32)
+        prompts = [tokenizer(text, return_tensors="pt").input_ids for text in texts]
+        run("SmolLM2-135M + shipped draft", target, draft, prompts, 32)
 
 
 if __name__ == "__main__":
