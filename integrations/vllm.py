@@ -63,11 +63,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ..core.config import SpecExecConfig
 from ..core.search import SearchResult
 from ..core.step_budget import share_budget
-from ..hf.calibrated import ranking_setting, shared_acceptance_map
+from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
+from ..hf.learnt_state import LearntState
 from ..offload.direct_io import Span, WeightFile, aligned_empty, plan_reads, round_up
-from ..offload.stream import LayerStreamer, _ring_slots, _Slot, _slot_members
+from ..offload.layout import RingSlot, ring_slots, slot_members
+from ..offload.stream import LayerStreamer
 from ..patches import vllm_offload, vllm_tree
 
 try:
@@ -228,8 +230,8 @@ def stream_offloaded_layers(layer_file: vllm_offload.LayerFile, prefetch: int) -
     """
     file = WeightFile(layer_file.path)
     sizes = [round_up(stored.nbytes) for stored in layer_file.layers]
-    slot_of = _ring_slots(len(sizes), prefetch)
-    slots = [_Slot(aligned_empty(max(sizes[p] for p in members))) for members in _slot_members(slot_of)]
+    slot_of = ring_slots(len(sizes), prefetch)
+    slots = [RingSlot(aligned_empty(max(sizes[p] for p in members))) for members in slot_members(slot_of)]
     units = []
     for position, stored in enumerate(layer_file.layers):
         buffer = slots[slot_of[position]].buffer
@@ -289,6 +291,7 @@ class SpecExecProposer:
         self.device = torch.device(vllm_config.device_config.device)
         self.draft: PreTrainedModel | None = None
         self.generators: dict[str, SpecExecCandidateGenerator] = {}
+        self.learnt_state = LearntState()  # the acceptance maps every request's walks teach
         # Per request whose generator has an acceptance map, its last tree's search and the history length it was
         # grown at: the tokens committed after that length are the target's own choices down that tree.
         self.last_searches: dict[str, tuple[SearchResult, int]] = {}
@@ -440,7 +443,7 @@ class SpecExecProposer:
                 # map, which every request's walks teach.
                 temperature, weights = ranking_setting(self.draft, config, sampling, request_temperature)
                 if config.acceptance_calibration:
-                    acceptance_map = shared_acceptance_map(self.draft, sampling, temperature, weights)
+                    acceptance_map = self.learnt_state.acceptance_map(self.draft, sampling, temperature, weights)
             else:
                 # Chains: context matching only when asked for; the draft's calibrated weights were fitted for trees.
                 temperature = config.draft_temperature

@@ -10,7 +10,8 @@ import torch
 from conftest import benchmark_script, perturbed_copy, tiny_model
 
 from specexec_hf.core.config import SpecExecConfig
-from specexec_hf.hf import autobudget, calibrated
+from specexec_hf.hf import autobudget
+from specexec_hf.hf.learnt_state import LearntState, learnt_state_of
 from specexec_hf.tools.bench import (
     Bench,
     Run,
@@ -39,14 +40,13 @@ def test_each_run_learns_in_its_own_maps_after_its_warmup():
     bench = Bench(target, draft, [prompt], max_new_tokens=16, top_p=0.9, seed=0, warmup_prompts=[warmup])
     runs = [Run("specexec", 0.0, budget=6), Run("specexec", 0.0, budget=12)]
     list(bench.measure(runs, lambda: None))
-    assert calibrated._shared_maps.get(draft) is None
+    assert learnt_state_of(draft).acceptance_maps == {}
     for run in runs:
-        session: dict = {}
-        with calibrated.separate_acceptance_maps(draft, session):
-            replace(bench, prompts=[warmup]).generate(run, 0)
-            bench.generate(run, 0)
-        ((setting, expected),) = session.items()
-        learnt = bench.acceptance_maps[run][setting]
+        session = LearntState()
+        replace(bench, prompts=[warmup]).generate(run, 0, session)
+        bench.generate(run, 0, session)
+        ((setting, expected),) = session.acceptance_maps.items()
+        learnt = bench.learnt_states[run].acceptance_maps[setting]
         assert expected.trials.sum() > 0
         assert torch.equal(learnt.trials, expected.trials) and torch.equal(learnt.accepted, expected.accepted)
 

@@ -15,7 +15,7 @@ from tolerances import rounding_bound
 
 from specexec_hf import SpecExecStats, models
 from specexec_hf.core.acceptance_map import AcceptanceMap
-from specexec_hf.hf import calibrated
+from specexec_hf.hf.learnt_state import LearntState, learnt_state_of
 from specexec_hf.hf.calibrated import (
     ACCEPTANCE_MAP_ATTRIBUTE,
     ACCEPTANCE_MAP_KEY,
@@ -162,12 +162,33 @@ def test_the_offline_fit_observes_every_node_a_greedy_walk_observes() -> None:
     offline = calibrate_draft_acceptance_map(target, draft, [prompt], max_new_tokens=24, max_branch=6)
     target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
                     assistant_model=draft, speculator="specexec", budget=12, max_branch=6)
-    (online,) = calibrated._shared_maps[draft].values()
+    (online,) = learnt_state_of(draft).acceptance_maps.values()
     # The call started from a copy of the offline fit (same setting), so what it observed is the difference.
     observed_trials, observed_accepted = online.trials - offline.trials, online.accepted - offline.accepted
     assert observed_trials.sum() > 0
     assert bool((observed_trials <= offline.trials).all()) and bool((observed_accepted <= offline.accepted).all())
     assert observed_accepted.sum() >= 12  # the walks accepted half the answer's tokens or more: a real overlap
+
+
+def test_a_learnt_state_passed_to_generate_learns_apart_from_the_drafts_own() -> None:
+    """generate(learnt_state=...) reads and teaches that state only, and a later call with it goes on learning;
+    without one, the state the draft carries learns, the same from the same walks."""
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.05, seed=2)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, assistant_model=draft,
+                  speculator="specexec", budget=8)
+    session = LearntState()
+    target.generate(prompt, learnt_state=session, **kwargs)
+    assert learnt_state_of(draft).acceptance_maps == {}
+    (learnt,) = session.acceptance_maps.values()
+    first_trials = learnt.trials.sum()
+    assert first_trials > 0
+    target.generate(prompt, **kwargs)
+    (own,) = learnt_state_of(draft).acceptance_maps.values()
+    assert own is not learnt and torch.equal(own.trials, learnt.trials) and torch.equal(own.accepted, learnt.accepted)
+    target.generate(prompt, learnt_state=session, **kwargs)
+    assert learnt.trials.sum() > first_trials
 
 
 @pytest.mark.parametrize("map_only", [False, True])
@@ -208,7 +229,7 @@ def _learn_sampling_with_draft_equal_to_target(sampled_children: bool):
     target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=True,
                     temperature=0.7, top_k=None, top_p=None, assistant_model=draft, speculator="specexec", budget=8,
                     sampled_children=sampled_children)
-    (learnt,) = calibrated._shared_maps[draft].values()
+    (learnt,) = learnt_state_of(draft).acceptance_maps.values()
     return learnt
 
 

@@ -178,9 +178,9 @@ def test_quanto_quantized_target_equals_its_own_greedy(weights):
 @given(count=st.integers(1, 40), prefetch=st.integers(1, 6))
 def test_ring_slots_keep_every_read_ahead_window_distinct_across_forwards(count, prefetch):
     """Any prefetch + 1 consecutive units, wrapping into the next forward, compute out of different buffers."""
-    from specexec_hf.offload.stream import _ring_slots
+    from specexec_hf.offload.layout import ring_slots
 
-    slot_of = _ring_slots(count, prefetch)
+    slot_of = ring_slots(count, prefetch)
     ring = min(prefetch + 1, count)
     assert sorted(set(slot_of)) == list(range(ring + count % ring))  # at most prefetch extra buffers
     for start in range(count):

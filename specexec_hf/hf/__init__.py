@@ -9,7 +9,9 @@
 - :mod:`.forward`: the forward path: one ``Feed`` record for draft and target, logits, the lazy LM head;
 - :mod:`.compat`: what a model must support, checked up front (checks, probes, vocabulary, execution device);
 - :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
-- :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.cache_dir`: the on-disk cache;
+- :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.learnt_state`: what decoding learns (acceptance
+  maps, ``budget="auto"``'s estimates), carried by the draft or passed as ``learnt_state=``; :mod:`.cache_dir`: the
+  on-disk cache;
 - :mod:`.self_draft`: the target itself, quantized, as a draft (``"self:int4"`` / ``"self:int8"``).
 """
 
@@ -17,9 +19,11 @@ from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_tre
 from .compat import UnsupportedModelError
 from .decoder import SpecExecDecoder, StepOutcome, TreeLogitsProcessor
 from .generation import generate
+from .learnt_state import LearntState
 from .outputs import SpecExecDecoderOnlyOutput
 
 __all__ = [
+    "LearntState",
     "SpecExecCandidateGenerator",
     "SpecExecDecoder",
     "SpecExecDecoderOnlyOutput",

@@ -21,7 +21,6 @@ import math
 import os
 import platform
 import time
-import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -279,38 +278,20 @@ class AutoBudget:
         self._draft_modelled += self.draft_seconds(tree.num_nodes - 1)
 
 
-# One AutoBudget per target, draft, draft temperature and tree knobs: its running estimates outlive a
-# generate() call, so later calls start from what earlier ones measured, and it vanishes with the models.
-_running: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def auto_budget_for(
-    target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig, draft_temperature: float
-) -> AutoBudget:
-    """The :class:`AutoBudget` ``generate(budget="auto")`` uses: cached forward profiles, running estimates.
+def new_auto_budget(target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig) -> AutoBudget:
+    """A fresh :class:`AutoBudget` for the pair at these tree knobs: cached forward profiles, a prior acceptance
+    profile. ``generate(budget="auto")`` keeps one per setting in its :class:`~.learnt_state.LearntState`.
 
     Args:
         target: The target model.
         draft: The draft model.
         config: ``max_depth``, ``max_branch`` (acceptance ranks tracked) and ``expand_per_forward``.
-        draft_temperature: The draft temperature the trees are ranked with (acceptance differs with it).
     """
-    by_draft = _running.setdefault(target, weakref.WeakKeyDictionary())
-    by_setting = by_draft.setdefault(draft, {})
-    key = (draft_temperature, config.max_depth, config.max_branch, config.expand_per_forward)
-    if key not in by_setting:
-        by_setting[key] = AutoBudget(
-            forward_profile(target, [b + 1 for b in DEFAULT_CANDIDATES]),
-            forward_profile(draft, [config.expand_per_forward])(config.expand_per_forward),
-            config.expand_per_forward,
-            AcceptanceProfile.with_prior(config.max_branch),
-            DEFAULT_CANDIDATES,
-            config.max_depth,
-        )
-    return by_setting[key]
-
-
-def running_auto_budgets(target: PreTrainedModel, draft: PreTrainedModel) -> dict[tuple, AutoBudget]:
-    """The :class:`AutoBudget` of each ``(draft temperature, max_depth, max_branch, expand_per_forward)`` that
-    ``generate(budget="auto")`` has used with this pair."""
-    return dict(_running.get(target, {}).get(draft, {}))
+    return AutoBudget(
+        forward_profile(target, [b + 1 for b in DEFAULT_CANDIDATES]),
+        forward_profile(draft, [config.expand_per_forward])(config.expand_per_forward),
+        config.expand_per_forward,
+        AcceptanceProfile.with_prior(config.max_branch),
+        DEFAULT_CANDIDATES,
+        config.max_depth,
+    )

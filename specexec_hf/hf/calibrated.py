@@ -1,14 +1,13 @@
 """What a calibrated draft carries: its greedy tree-ranking temperature, context-match weights and acceptance map.
 
 ``specexec-hf calibrate`` (:mod:`specexec_hf.tools.calibrate`) fits them and stores them on the draft's config
-(and in a shipped draft's JSON); greedy ``generate()`` calls read them here.
+(and in a shipped draft's JSON); greedy ``generate()`` calls read them here. What decoding learns on top of them
+is a :class:`~.learnt_state.LearntState`'s.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from transformers import PreTrainedModel
 
@@ -24,11 +23,6 @@ ACCEPTANCE_MAP_ATTRIBUTE = "specexec_greedy_acceptance_map"
 ``temperature`` and ``context_match_weights`` it was fitted at (JSON-able, saved with the config)."""
 ACCEPTANCE_MAP_KEY = "greedy_acceptance_map"
 """Key of a draft export's JSON holding the same record (written by ``specexec-hf calibrate --write``)."""
-
-# Per draft model, the acceptance maps of each (sampling, draft temperature, context-match weights, sampled children)
-# setting.
-_shared_maps: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AcceptanceMap]] = weakref.WeakKeyDictionary()
-
 
 def greedy_draft_temperature(draft: PreTrainedModel) -> float:
     """The temperature greedy decoding ranks ``draft``'s trees with: its calibrated one, else 1."""
@@ -89,44 +83,3 @@ def starting_acceptance_map(
     ):
         return AcceptanceMap()
     return AcceptanceMap.from_state(record)
-
-
-def shared_acceptance_map(
-    draft: PreTrainedModel,
-    sampling: bool,
-    temperature: float,
-    match_weights: Sequence[float],
-    sampled_children: bool = False,
-) -> AcceptanceMap:
-    """The acceptance map learnt so far for ``draft`` at this ranking setting, shared by every caller (``generate()``
-    calls, a serving engine's requests) so what one walk teaches ranks the next tree; the first call at a setting
-    starts from :func:`starting_acceptance_map`.
-
-    Args: as :func:`starting_acceptance_map`, and ``sampled_children``: whether the trees' children are drawn from
-        the draft (their acceptance is that of a rejection chain, another map).
-    """
-    by_setting = _shared_maps.setdefault(draft, {})
-    key = (sampling, float(temperature), tuple(match_weights), sampled_children)
-    if key not in by_setting:
-        by_setting[key] = starting_acceptance_map(draft, sampling, temperature, match_weights)
-    return by_setting[key]
-
-
-@contextmanager
-def separate_acceptance_maps(draft: PreTrainedModel, maps: dict[tuple, AcceptanceMap]) -> Iterator[None]:
-    """Within the block, ``draft``'s shared acceptance maps are ``maps``, a dict the caller keeps between blocks:
-    a benchmark keeps each method's learning apart, as if each method ran alone.
-
-    Args:
-        draft: The draft model.
-        maps: The maps to use and fill (empty at first), by setting, as :func:`shared_acceptance_map` keys them.
-    """
-    saved = _shared_maps.get(draft)
-    _shared_maps[draft] = maps
-    try:
-        yield
-    finally:
-        if saved is None:
-            del _shared_maps[draft]
-        else:
-            _shared_maps[draft] = saved

@@ -19,11 +19,12 @@ from transformers.generation.streamers import BaseStreamer
 from ..core.config import SpecExecConfig
 from ..core.search import SearchPolicy, grow_tree
 from ..core.stats import SpecExecStats
-from .autobudget import auto_budget_for
-from .calibrated import ranking_setting, shared_acceptance_map
+from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import check_masked_tokens_supported, check_same_vocabulary, check_supported
 from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor
+from .learnt_state import LearntState, learnt_state_of
+from .offload_hint import hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
 from .request import Request, check_budget_fits, validate_request
 from .self_draft import resolve_draft
@@ -51,6 +52,7 @@ def generate(
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
     tree_search: SearchPolicy = grow_tree,
+    learnt_state: LearntState | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
     **model_kwargs,
@@ -78,6 +80,9 @@ def generate(
             ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks); the acceptance
             map and drawn children apply to policies that support them (``ranks_children``, ``draws_children``).
+        learnt_state: Where the acceptance maps and ``budget="auto"``'s estimates are read and taught; ``None``:
+            the state the draft carries (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep
+            learning. Pass a separate :class:`~.learnt_state.LearntState` to keep a run's learning apart.
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
         model_kwargs: What ``generate()`` prepared: ``attention_mask`` and ``position_ids`` (any padding or holes),
@@ -88,6 +93,7 @@ def generate(
         model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
         model_kwargs, synced_gpus,
     )
+    hint_streaming_executor(model)
     config = (specexec_config or SpecExecConfig()).updated(
         budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
         max_draft_forwards=max_draft_forwards, draft_temperature=draft_temperature,
@@ -96,7 +102,8 @@ def generate(
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
-    decoder = _decoder(model, draft_model, request, config, tree_search, logits_processor, generation_config)
+    state = learnt_state if learnt_state is not None else learnt_state_of(draft_model)
+    decoder = _decoder(model, draft_model, request, config, tree_search, state, logits_processor, generation_config)
     recorder = OutputRecorder(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
     )
@@ -144,23 +151,25 @@ def _decoder(
     request: Request,
     config: SpecExecConfig,
     tree_search: SearchPolicy,
+    state: LearntState,
     logits_processor: LogitsProcessorList,
     generation_config: GenerationConfig,
 ) -> SpecExecDecoder:
     """The decoder for one ``generate()`` call: its drafter (with the draft's calibrated ranking settings, and the
-    acceptance map and drawn children where the policy supports them), ``budget="auto"`` and the choice rule."""
+    acceptance map and drawn children where the policy supports them), ``budget="auto"`` and the choice rule, both
+    learning in ``state``."""
     do_sample = generation_config.do_sample
     draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
     calibrate = config.acceptance_calibration and tree_search.ranks_children
     sampled_children = do_sample and config.sampled_children and tree_search.draws_children
     drafter = SpecExecCandidateGenerator(
         draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
-        acceptance_map=shared_acceptance_map(
+        acceptance_map=state.acceptance_map(
             draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
         sampled_children=sampled_children,
     )
-    auto_budget = auto_budget_for(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
+    auto_budget = state.auto_budget(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     # Near-ties: how far rounding in the target's dtype can move its logits (see core.precision).
     rule = ChoiceRule(
         TreeLogitsProcessor(logits_processor), do_sample, torch.finfo(model.dtype).eps,

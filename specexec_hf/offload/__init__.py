@@ -1,6 +1,7 @@
 """Offloaded targets: placement under a memory budget (:mod:`.placement`) and the executors that run them
 (accelerate's hooks, :mod:`.stream`'s read-ahead ring of buffers in CPU memory filled by :mod:`.direct_io`'s direct
-reads, or :mod:`.device_stream`'s ring on an accelerator, written against the device operations of :mod:`.device`).
+reads, or :mod:`.device_stream`'s ring on an accelerator, written against the device operations of :mod:`.device`;
+both lay their rings out with :mod:`.layout`).
 A new executor goes here. ``specexec_hf.stream`` is :func:`.placement.stream` (not exported here, where the name
 is the :mod:`.stream` module's)."""
 

@@ -20,16 +20,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .device import StreamDevice
-from .stream import (
-    LayerStreamer,
-    _bind_views,
-    _copies,
-    _plan_runs,
-    _ring_slots,
-    _Slot,
-    _slot_members,
-    _unit_parameters,
-)
+from .layout import RingSlot as _Slot
+from .layout import bind_views as _bind_views
+from .layout import plan_runs as _plan_runs
+from .layout import ring_slots as _ring_slots
+from .layout import slot_members as _slot_members
+from .layout import unit_copies as _copies
+from .stream import LayerStreamer
+from .stream import unit_parameters as _unit_parameters
 
 HOST_PLACEMENTS = ("cpu", "disk")
 

@@ -1,12 +1,15 @@
-"""The read-ahead executor: offloaded modules streamed through a ring of buffers allocated once."""
+"""The read-ahead executor: offloaded modules streamed through a ring of buffers allocated once.
+
+Here: finding what a unit streams and where it is stored (:func:`unit_parameters`, after removing accelerate's
+hooks) and the executor itself (:class:`LayerStreamer`); where the bytes go in the ring is :mod:`.layout`'s.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -18,16 +21,26 @@ from .direct_io import (
     BLOCK,
     DirectReader,
     ReadPlan,
-    Span,
     WeightFile,
     WeightFileError,
     aligned_empty,
     plan_reads,
     round_up,
 )
+from .layout import (
+    Composite,
+    Copy,
+    HeldWeight,
+    OffloadedParameter,
+    RingSlot,
+    StoredWeight,
+    bind_views,
+    plan_runs,
+    ring_slots,
+    slot_members,
+    unit_spans,
+)
 
-# Allocation alignment of torch's CPU allocator, which ring-buffer views reproduce (see _plan_runs).
-_ALIGNMENT = 64
 # Alignment of the CPU ring's runs: the file offset modulo a block, so that direct reads land in place.
 _RING_ALIGNMENT = BLOCK
 
@@ -37,152 +50,10 @@ def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
     return getattr(model, "_specexec_layer_streamer", None)
 
 
-@dataclass
-class _StoredWeight:
-    """A tensor as stored in a weight file."""
-
-    file: WeightFile
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def tensor(self) -> torch.Tensor:
-        return self.file.tensor(self.offset, self.dtype, self.shape)
-
-
-@dataclass
-class _HeldWeight:
-    """A weight held in host memory: a unit placed in CPU RAM, for the device executor to pin."""
-
-    held: torch.Tensor
-    file = None
-    offset = 0
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.held.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _span_bytes(self.held)
-
-    def tensor(self) -> torch.Tensor:
-        return self.held
-
-
-@dataclass
-class _OffloadedParameter:
-    """A parameter of a streamed unit (on the meta device, or in host memory) and where its weights are stored.
-
-    A parameter that is a tensor subclass (a quantized weight) is streamed as its plain inner tensors: one entry
-    per inner tensor (``meta`` and ``stored`` describe it), all pointing to the ``composite`` that rebuilds the
-    parameter, which is bound to ``owner.attribute``.
-    """
-
-    owner: nn.Module
-    attribute: str
-    meta: torch.Tensor
-    stored: _StoredWeight | _HeldWeight
-    composite: _Composite | None = None
-
-
-@dataclass(eq=False)
-class _Composite:
-    """A tensor subclass as ``__tensor_flatten__`` takes it apart, to rebuild it over other inner tensors.
-
-    Args:
-        cls: The subclass.
-        context: Its flattening context.
-        size: Its outer size.
-        stride: Its outer stride.
-        parts: The inner tensors by attribute name: plain ones as :class:`_OffloadedParameter`, nested subclasses
-            (a packed tensor inside a quantized weight) as :class:`_Composite`.
-    """
-
-    cls: type
-    context: Any
-    size: torch.Size
-    stride: tuple[int, ...]
-    parts: dict[str, _OffloadedParameter | _Composite]
-
-    def leaves(self) -> Iterator[_OffloadedParameter]:
-        """The plain inner tensors' entries, nested ones included."""
-        for part in self.parts.values():
-            if isinstance(part, _Composite):
-                yield from part.leaves()
-            else:
-                yield part
-
-    def rebuild(self, views: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The subclass over ``views`` (by ``id`` of each inner tensor's entry); the views are not copied."""
-        inner = {
-            name: part.rebuild(views) if isinstance(part, _Composite) else views[id(part)]
-            for name, part in self.parts.items()
-        }
-        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
-
-
-@dataclass
-class _Run:
-    """Bytes that one copy moves from a file into a ring buffer.
-
-    Parameters stored back to back in a file, in the dtype they compute in, share a run, so that a decoder
-    layer is typically a single copy: every copy costs the reader thread a GIL hand-off, which on a busy CPU
-    can take milliseconds. A parameter that needs a dtype conversion gets a run of its own.
-
-    Args:
-        file: The file read.
-        file_start: First byte read.
-        file_end: One past the last byte read.
-        buffer_start: Where the bytes land in the ring buffer.
-        converts_to: The parameter dtype for a converting run; ``None`` for a raw byte copy.
-        members: ``(parameter, byte offset in the ring buffer)`` of each parameter in the run.
-    """
-
-    file: WeightFile
-    file_start: int
-    file_end: int
-    buffer_start: int
-    converts_to: torch.dtype | None = None
-    members: list[tuple[_OffloadedParameter, int]] = field(default_factory=list)
-
-    def extends_with(self, parameter: _OffloadedParameter) -> bool:
-        """Whether ``parameter``'s bytes continue this raw run and keep their alignment in the buffer."""
-        stored = parameter.stored
-        return (
-            self.converts_to is None
-            and stored.dtype == parameter.meta.dtype
-            and stored.file is self.file
-            and stored.offset == self.file_end
-            and (stored.offset - self.file_start) % stored.dtype.itemsize == 0
-        )
-
-
-@dataclass
-class _Copy:
-    """One read of a unit: zero-copy file ``source`` into ring-buffer ``target``."""
-
-    source: torch.Tensor
-    target: torch.Tensor
-
-
-@dataclass
-class _Slot:
-    """A ring buffer and the unit position it holds (or is being filled with)."""
-
-    buffer: torch.Tensor
-    position: int | None = None
-    filled: Future = field(default_factory=Future)
-
-
 class LayerStreamer:
     """Runs disk-offloaded modules out of a ring of reused buffers, reading the next ones ahead on threads.
 
-    Each streamed unit always computes out of the same ring buffer (:func:`_ring_slots`): its parameters are views
+    Each streamed unit always computes out of the same ring buffer (:func:`ring_slots`): its parameters are views
     of that buffer, bound once, so a forward allocates nothing. Before unit ``i`` runs, the streamer waits for its
     weights and queues the reads of the next ``prefetch`` units (wrapping around to the next forward's first
     units), which a :class:`~.direct_io.DirectReader` performs while unit ``i`` computes: ``O_DIRECT`` reads from
@@ -203,7 +74,7 @@ class LayerStreamer:
         unit_names: The streamed units' module names, in execution order.
         units: ``(module, read plan)`` per streamed unit (the plan of the reads that fill its ring buffer).
         slots: The ring buffers.
-        slot_of: The ring buffer of each unit, from :func:`_ring_slots`.
+        slot_of: The ring buffer of each unit, from :func:`ring_slots`.
         unit_bytes: The bytes each unit's read moves, in execution order.
         prefetch: Units read ahead of the one computing.
         reader: Performs the read plans; a new :class:`~.direct_io.DirectReader` when ``None``.
@@ -212,8 +83,8 @@ class LayerStreamer:
     def __init__(
         self,
         unit_names: list[str],
-        units: list[tuple[nn.Module, ReadPlan | list[_Copy]]],
-        slots: list[_Slot],
+        units: list[tuple[nn.Module, ReadPlan | list[Copy]]],
+        slots: list[RingSlot],
         slot_of: list[int],
         unit_bytes: list[int],
         prefetch: int,
@@ -247,7 +118,7 @@ class LayerStreamer:
         if not unit_names:
             _detach_accelerate_hooks(model)
             return None
-        parameters = _unit_parameters(model, unit_names, resident=lambda parameter: not parameter.is_meta)
+        parameters = unit_parameters(model, unit_names, resident=lambda parameter: not parameter.is_meta)
         streamed = []
         for name in unit_names:
             if _reads_rows_on_demand(model.get_submodule(name), parameters[name]):
@@ -256,17 +127,17 @@ class LayerStreamer:
                 streamed.append(name)
         if not streamed:
             return None
-        plans = [_plan_runs(parameters[name], _RING_ALIGNMENT, padded=True) for name in streamed]
-        slot_of = _ring_slots(len(streamed), prefetch)
+        plans = [plan_runs(parameters[name], _RING_ALIGNMENT, padded=True) for name in streamed]
+        slot_of = ring_slots(len(streamed), prefetch)
         slots = [
-            _Slot(aligned_empty(round_up(max(plans[position][0] for position in members), BLOCK)))
-            for members in _slot_members(slot_of)
+            RingSlot(aligned_empty(round_up(max(plans[position][0] for position in members), BLOCK)))
+            for members in slot_members(slot_of)
         ]
         units = []
         for position, (name, (_, runs)) in enumerate(zip(streamed, plans)):
             buffer = slots[slot_of[position]].buffer
-            _bind_views(runs, buffer)
-            units.append((model.get_submodule(name), plan_reads(_spans(runs, buffer))))
+            bind_views(runs, buffer)
+            units.append((model.get_submodule(name), plan_reads(unit_spans(runs, buffer))))
         streamer = cls(streamed, units, slots, slot_of, [size for size, _ in plans], prefetch)
         model._specexec_layer_streamer = streamer
         return streamer
@@ -281,9 +152,9 @@ class LayerStreamer:
         """Bytes each forward reads into the ring, once the first forward has filled it.
 
         Units that have a buffer to themselves (all of them when ``prefetch + 1 >= len(unit_names)``, else the
-        last few, see :func:`_ring_slots`) stay loaded and are read once only.
+        last few, see :func:`ring_slots`) stay loaded and are read once only.
         """
-        shared = _slot_members(self._slot_of)
+        shared = slot_members(self._slot_of)
         return sum(size for size, slot in zip(self._unit_bytes, self._slot_of) if len(shared[slot]) > 1)
 
     def wait_idle(self) -> None:
@@ -309,7 +180,7 @@ class LayerStreamer:
             if self._slots[self._slot_of[upcoming]] is not current:  # fewer units than slots: all stay loaded
                 self._request(upcoming)
 
-    def _request(self, position: int) -> _Slot:
+    def _request(self, position: int) -> RingSlot:
         """The slot of unit ``position``, queueing the read of its weights unless it holds or awaits them."""
         slot = self._slots[self._slot_of[position]]
         if slot.position != position:
@@ -320,42 +191,18 @@ class LayerStreamer:
             self.reads_requested += 1
         return slot
 
-    def _fill(self, position: int, slot: _Slot) -> Future:
+    def _fill(self, position: int, slot: RingSlot) -> Future:
         """Starts filling ``slot`` with unit ``position``'s weights."""
         return self._direct_reader.submit(self._units[position][1])
 
-    def _await(self, slot: _Slot) -> None:
+    def _await(self, slot: RingSlot) -> None:
         """Makes the compute that follows see ``slot``'s weights."""
         slot.filled.result()
 
-    def _await_on_host(self, slot: _Slot) -> None:
+    def _await_on_host(self, slot: RingSlot) -> None:
         """Blocks the calling thread until ``slot``'s fill has landed."""
         if slot.position is not None:
             slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
-
-
-def _ring_slots(count: int, prefetch: int) -> list[int]:
-    """The ring buffer each of ``count`` streamed units computes out of, reading ``prefetch`` units ahead.
-
-    Units go round ``prefetch + 1`` buffers; when ``count`` is not a multiple of that, the last ``count % (prefetch +
-    1)`` units get a buffer each of their own, so that any ``prefetch + 1`` consecutive units, across the end of a
-    forward too, use distinct buffers: the next forward's first units are read ahead while the last ones compute.
-
-    Args:
-        count: Streamed units.
-        prefetch: Units read ahead of the one computing.
-    """
-    ring = min(prefetch + 1, count)
-    cycled = count - count % ring
-    return [position % ring if position < cycled else ring + position - cycled for position in range(count)]
-
-
-def _slot_members(slot_of: list[int]) -> list[list[int]]:
-    """The unit positions of each ring buffer."""
-    members: list[list[int]] = [[] for _ in range(max(slot_of) + 1)]
-    for position, slot in enumerate(slot_of):
-        members[slot].append(position)
-    return members
 
 
 def _detach_accelerate_hooks(model: nn.Module) -> None:
@@ -401,7 +248,7 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
     return locate
 
 
-def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFile]) -> _StoredWeight:
+def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFile]) -> StoredWeight:
     """Where a parameter known under ``names`` is stored; opens its file on first use.
 
     Args:
@@ -417,9 +264,9 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFil
         if path not in files:
             files[path] = WeightFile(path)
         if safetensors_name is not None:
-            return _StoredWeight(files[path], *files[path].safetensors_entry(safetensors_name))
+            return StoredWeight(files[path], *files[path].safetensors_entry(safetensors_name))
         # accelerate's .dat files are raw arrays (bfloat16 stored as int16 bytes, 0-d tensors as 1-d).
-        stored = _StoredWeight(files[path], 0, getattr(torch, info["dtype"]), tuple(info["shape"]) or (1,))
+        stored = StoredWeight(files[path], 0, getattr(torch, info["dtype"]), tuple(info["shape"]) or (1,))
         if stored.nbytes > files[path].size:
             raise WeightFileError(
                 f"{path} is truncated: {files[path].size} bytes, where accelerate's offload index records "
@@ -429,12 +276,12 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFil
     raise KeyError(f"No offloaded copy of parameter {names[0]!r} was found in accelerate's offload index.")
 
 
-def _unit_parameters(
+def unit_parameters(
     model: nn.Module,
     unit_names: list[str],
     resident: Callable[[nn.Parameter], bool],
     execution_form: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
-) -> dict[str, list[_OffloadedParameter]]:
+) -> dict[str, list[OffloadedParameter]]:
     """Each streamed unit's parameters with where their weights are stored, in file (or registration) order.
 
     Removes accelerate's hooks, leaving disk-offloaded weights on the meta device, whose stored copies are found
@@ -454,7 +301,7 @@ def _unit_parameters(
     aliases: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(parameter), []).append(name)
-    found: dict[str, list[_OffloadedParameter]] = {}
+    found: dict[str, list[OffloadedParameter]] = {}
     for unit_name in unit_names:
         unit = []
         for local_name, parameter in model.get_submodule(unit_name).named_parameters(remove_duplicate=False):
@@ -482,9 +329,9 @@ def _unit_parameters(
                         f"{stored.file.path} stores {unit_name}.{local_name} with shape {list(stored.shape)}, but the "
                         f"model expects {list(parameter.shape)}: the file does not belong to this model's config."
                     )
-                unit.append(_OffloadedParameter(owner, attribute, parameter, stored))
+                unit.append(OffloadedParameter(owner, attribute, parameter, stored))
             else:
-                unit.append(_OffloadedParameter(owner, attribute, parameter, _HeldWeight(parameter.detach())))
+                unit.append(OffloadedParameter(owner, attribute, parameter, HeldWeight(parameter.detach())))
         found[unit_name] = sorted(unit, key=lambda p: (p.stored.file.path if p.stored.file else "", p.stored.offset))
     return found
 
@@ -494,19 +341,19 @@ def _is_subclass(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
 
 
-def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor) -> list[_OffloadedParameter]:
+def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor) -> list[OffloadedParameter]:
     """Entries for the plain inner tensors of tensor subclass ``tensor``, bound to ``owner.attribute`` together."""
 
-    def take_apart(part: torch.Tensor) -> _Composite:
+    def take_apart(part: torch.Tensor) -> Composite:
         names, context = part.__tensor_flatten__()
-        composite = _Composite(type(part), context, part.size(), part.stride(), {})
+        composite = Composite(type(part), context, part.size(), part.stride(), {})
         for name in names:
             inner = getattr(part, name)
             if _is_subclass(inner):
                 composite.parts[name] = take_apart(inner)
             else:
                 held = inner.detach().cpu()
-                composite.parts[name] = _OffloadedParameter(owner, attribute, held, _HeldWeight(held))
+                composite.parts[name] = OffloadedParameter(owner, attribute, held, HeldWeight(held))
         return composite
 
     top = take_apart(tensor)
@@ -516,12 +363,12 @@ def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor) -> list[_
     return leaves
 
 
-def _reads_rows_on_demand(module: nn.Module, parameters: list[_OffloadedParameter]) -> bool:
+def _reads_rows_on_demand(module: nn.Module, parameters: list[OffloadedParameter]) -> bool:
     """Whether ``module`` is an embedding table stored in its compute dtype, which can be read in place."""
     return isinstance(module, nn.Embedding) and all(p.stored.dtype == p.meta.dtype for p in parameters)
 
 
-def _bind_to_file(module: nn.Module, parameters: list[_OffloadedParameter]) -> None:
+def _bind_to_file(module: nn.Module, parameters: list[OffloadedParameter]) -> None:
     """Replaces meta parameters by zero-copy views of their files, read page by page as the forward touches them.
 
     Touching a mapped page past the end of a file truncated meanwhile would kill the process (``SIGBUS``), so
@@ -537,105 +384,3 @@ def _bind_to_file(module: nn.Module, parameters: list[_OffloadedParameter]) -> N
             file.check_unchanged()
 
     module.register_forward_pre_hook(check_files)
-
-
-def _plan_runs(
-    parameters: list[_OffloadedParameter], alignment: int = _ALIGNMENT, each_fresh: bool = False, padded: bool = False
-) -> tuple[int, list[_Run]]:
-    """Groups a unit's parameters (in file order) into runs; returns the ring-buffer bytes needed and the runs.
-
-    A converting run starts ``alignment``-byte aligned, like the fresh tensor ``from_pretrained`` allocates for a
-    converted weight; a raw run keeps its file offset modulo ``alignment``, like the zero-copy view of the
-    checkpoint ``from_pretrained`` computes with otherwise. BLAS kernels round differently for differently
-    aligned operands, so mirroring the alignment is what keeps outputs bit-identical to the in-memory model.
-
-    Args:
-        parameters: The unit's parameters, in file order.
-        alignment: The allocation alignment of the in-memory model's tensors on the execution device.
-        each_fresh: Place every parameter as a fresh allocation (an accelerator's in-memory model copies each
-            weight into its own allocation), with a typed copy of its own.
-        padded: Start every run in an ``alignment`` block of its own, so that a direct read of the blocks around
-            a raw run (:func:`~.direct_io.plan_reads`) lands in place without touching another run.
-    """
-    runs: list[_Run] = []
-    size = 0
-    for parameter in parameters:
-        stored = parameter.stored
-        if runs and not each_fresh and runs[-1].extends_with(parameter):
-            run = runs[-1]
-            run.file_end += stored.nbytes
-        else:
-            typed = each_fresh or stored.dtype != parameter.meta.dtype
-            free = _next_offset(size, 0, alignment) if padded else size
-            start = _next_offset(free, 0 if typed else stored.offset % alignment, alignment)
-            converts_to = parameter.meta.dtype if typed else None
-            run = _Run(stored.file, stored.offset, stored.offset + stored.nbytes, start, converts_to)
-            runs.append(run)
-        buffer_offset = run.buffer_start + (0 if run.converts_to else stored.offset - run.file_start)
-        run.members.append((parameter, buffer_offset))
-        size = buffer_offset + _span_bytes(parameter.meta)
-    return size, runs
-
-
-def _next_offset(offset: int, remainder: int, alignment: int = _ALIGNMENT) -> int:
-    """The smallest byte offset ``>= offset`` that is ``remainder`` modulo ``alignment``."""
-    return offset + (remainder - offset) % alignment
-
-
-def _span_bytes(tensor: torch.Tensor) -> int:
-    """Bytes from ``tensor``'s first element to one past its last, whatever its strides."""
-    if tensor.numel() == 0:
-        return 0
-    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
-
-
-def _member_view(buffer: torch.Tensor, parameter: _OffloadedParameter, offset: int) -> torch.Tensor:
-    """The typed view of ``buffer`` that ``parameter`` occupies at byte ``offset``, with its shape and strides."""
-    meta = parameter.meta
-    return buffer[offset : offset + _span_bytes(meta)].view(meta.dtype).as_strided(meta.shape, meta.stride())
-
-
-def _bind_views(runs: list[_Run], buffer: torch.Tensor) -> None:
-    """Replaces a unit's parameters by views of ``buffer``, laid out as ``runs`` plan."""
-    views: dict[int, torch.Tensor] = {}
-    composites: dict[int, _OffloadedParameter] = {}
-    for run in runs:
-        for parameter, offset in run.members:
-            view = _member_view(buffer, parameter, offset)
-            if parameter.composite is None:
-                setattr(parameter.owner, parameter.attribute, nn.Parameter(view, requires_grad=False))
-            else:
-                views[id(parameter)] = view
-                composites[id(parameter.composite)] = parameter
-    for parameter in composites.values():
-        rebuilt = parameter.composite.rebuild(views)
-        setattr(parameter.owner, parameter.attribute, nn.Parameter(rebuilt, requires_grad=False))
-
-
-def _spans(runs: list[_Run], buffer: torch.Tensor) -> list[Span]:
-    """The file spans that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights (direct reads)."""
-    spans = []
-    for run in runs:
-        if run.converts_to is None:
-            target = buffer[run.buffer_start : run.buffer_start + run.file_end - run.file_start]
-            spans.append(Span(run.file, run.file_start, run.file_end, target))
-        else:
-            for parameter, offset in run.members:
-                stored = parameter.stored
-                target = _member_view(buffer, parameter, offset)
-                spans.append(Span(stored.file, stored.offset, stored.offset + stored.nbytes, target, stored.dtype))
-    return spans
-
-
-def _copies(runs: list[_Run], buffer: torch.Tensor) -> list[_Copy]:
-    """The copies that fill ``buffer`` (laid out as ``runs`` plan) with a unit's stored weights."""
-    copies = []
-    for run in runs:
-        if run.converts_to is None:
-            source = run.file.tensor(run.file_start, torch.uint8, (run.file_end - run.file_start,))
-            copies.append(_Copy(source, buffer[run.buffer_start : run.buffer_start + source.numel()]))
-        else:
-            for parameter, offset in run.members:
-                target = _member_view(buffer, parameter, offset)
-                copies.append(_Copy(parameter.stored.tensor().view(target.shape), target))
-    return copies

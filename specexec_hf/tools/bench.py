@@ -51,9 +51,9 @@ from ..core.config import SpecExecConfig
 from ..core.search import grow_tree
 from ..core.static_trees import SequoiaSearch, SpecInferSearch
 from ..core.stats import SpecExecStats
-from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile, running_auto_budgets
-from ..hf.calibrated import separate_acceptance_maps
+from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile
 from ..hf.compat import use_sdpa_attention
+from ..hf.learnt_state import LearntState
 from ..models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from ..offload import load_offloaded
 from ..offload.placement import EXECUTORS
@@ -178,10 +178,10 @@ class Bench:
         specexec_max_depth: SpecExec's ``max_depth`` (``None``: no cap beyond the budget and the tokens left).
         warmup_prompts: Prompts (not benchmarked ones) each run decodes, unmeasured, before its first measured
             prompt, so that SpecExec's online acceptance map is measured as it ranks after earlier requests rather
-            than on its first tree. Each run learns in its own maps either way (see :meth:`measure`).
+            than on its first tree. Each run learns in its own state either way (see :meth:`measure`).
 
     Attributes:
-        acceptance_maps: Per run of the last :meth:`measure`, the acceptance maps it learnt, by setting.
+        learnt_states: Per run of the last :meth:`measure`, what it learnt (acceptance maps, auto-budget estimates).
     """
 
     target: PreTrainedModel
@@ -194,7 +194,7 @@ class Bench:
     acceptance: dict[float, list[float]] = field(default_factory=dict)
     specexec_max_depth: int | None = None
     warmup_prompts: list[torch.Tensor] = field(default_factory=list)
-    acceptance_maps: dict[Run, dict[tuple, Any]] = field(default_factory=dict, init=False)
+    learnt_states: dict[Run, LearntState] = field(default_factory=dict, init=False)
 
     def sampling_kwargs(self, temperature: float) -> dict[str, Any]:
         if temperature == 0:
@@ -232,13 +232,21 @@ class Bench:
             kwargs["sampled_children"] = True
         return kwargs
 
-    def generate(self, run: Run, index: int) -> dict[str, Any]:
-        """Runs ``run`` on prompt ``index``; returns its record (tokens, forwards, times, output ids)."""
+    def generate(self, run: Run, index: int, learnt_state: LearntState | None = None) -> dict[str, Any]:
+        """Runs ``run`` on prompt ``index``; returns its record (tokens, forwards, times, output ids).
+
+        Args:
+            run: The method and its settings.
+            index: The prompt.
+            learnt_state: Where SpecExec methods learn; ``None``: the state the draft carries.
+        """
         prompt = self.prompts[index]
         kwargs = {**self.sampling_kwargs(run.temperature), **self.method_kwargs(run)}
         stats = SpecExecStats()
         if kwargs.get("speculator"):
             kwargs["specexec_stats"] = stats
+            if learnt_state is not None:
+                kwargs["learnt_state"] = learnt_state
         torch.manual_seed(self.seed + index)
         with ForwardMeter(self.target) as target_meter, ForwardMeter(self.draft) as draft_meter:
             started = time.perf_counter()
@@ -271,8 +279,8 @@ class Bench:
         # Assisted generation reads its settings from the draft's own generation_config (not from generate()'s
         # arguments) and may adapt them across calls: every run keeps its own copy across its prompts.
         configs = {run: self._assistant_config(run) for run in runs}
-        # Each run's own acceptance maps: the learning of one method (or budget) never ranks another's trees.
-        maps = self.acceptance_maps = {run: {} for run in runs}
+        # Each run's own learnt state: the learning of one method (or budget) never ranks another's trees.
+        states = self.learnt_states = {run: LearntState() for run in runs}
         records: dict[Run, list[dict[str, Any]]] = {run: [] for run in runs}
         peaks = dict.fromkeys(runs, 0)
 
@@ -280,8 +288,7 @@ class Bench:
         def settings_of(run: Run) -> Iterator[None]:
             original, self.draft.generation_config = self.draft.generation_config, configs[run]
             try:
-                with separate_acceptance_maps(self.draft, maps[run]):
-                    yield
+                yield
             finally:
                 self.draft.generation_config = original
 
@@ -289,11 +296,11 @@ class Bench:
         for index in range(len(self.warmup_prompts)):
             for run in runs:
                 with settings_of(run):
-                    warmup.generate(run, index)
+                    warmup.generate(run, index, states[run])
         for index in range(len(self.prompts)):
             for run in runs:
                 with settings_of(run), peak_rss() as memory:
-                    records[run].append(self.generate(run, index))
+                    records[run].append(self.generate(run, index, states[run]))
                 peaks[run] = max(peaks[run], memory["peak_rss_bytes"])
                 progress()
             yield [
@@ -860,8 +867,9 @@ def run(args: argparse.Namespace) -> int:
         if any(r.budget == "auto" for r in runs):  # what budget="auto" decided with
             report["auto_budget"] = {
                 "target_seconds": forward_profile(target, [b + 1 for b in DEFAULT_CANDIDATES]).seconds,
-                "models": [{"draft_temperature": key[0], **auto.describe()}
-                           for key, auto in running_auto_budgets(target, draft).items()],
+                "models": [{"run": run.label, "draft_temperature": key[0], **auto.describe()}
+                           for run, state in bench.learnt_states.items()
+                           for key, auto in state.auto_budgets.get(target, {}).items()],
             }
         (args.out / "bench.json").write_text(json.dumps(report, indent=1, default=str))
         write_markdown(report, args.out / "bench.md")

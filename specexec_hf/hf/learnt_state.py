@@ -1,0 +1,91 @@
+"""What decoding learns as it runs, in one object a caller can hold: :class:`LearntState`.
+
+Two things improve with every step and are worth keeping across ``generate()`` calls: the acceptance maps that rank
+the draft's candidates (per ranking setting, fed by the target's walks) and the running estimates ``budget="auto"``
+chooses with (per target and tree knobs). A draft carries one state by default (:func:`learnt_state_of`), so later
+calls with the same draft start from what earlier ones learnt; a caller that wants learning kept apart (a benchmark
+measuring each method as if it ran alone, a serving engine's proposer) passes its own, as
+``generate(..., learnt_state=...)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from transformers import PreTrainedModel
+
+from ..core.acceptance_map import AcceptanceMap
+from ..core.config import SpecExecConfig
+from .autobudget import AutoBudget, new_auto_budget
+from .calibrated import starting_acceptance_map
+
+
+class LearntState:
+    """The acceptance maps and auto-budget estimates that one draft's decoding has learnt so far.
+
+    Attributes:
+        acceptance_maps: By ranking setting ``(sampling, draft temperature, context-match weights, sampled
+            children)``, the map that ranks the draft's candidates.
+        auto_budgets: By target (held weakly), then ``(draft temperature, max_depth, max_branch,
+            expand_per_forward)``, the :class:`~.autobudget.AutoBudget` with its running estimates.
+    """
+
+    def __init__(self) -> None:
+        self.acceptance_maps: dict[tuple, AcceptanceMap] = {}
+        self.auto_budgets: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AutoBudget]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def acceptance_map(
+        self,
+        draft: PreTrainedModel,
+        sampling: bool,
+        temperature: float,
+        match_weights: Sequence[float],
+        sampled_children: bool = False,
+    ) -> AcceptanceMap:
+        """The map learnt so far at this ranking setting, shared by every caller holding this state, so what one
+        walk teaches ranks the next tree; the first use of a setting starts from
+        :func:`~.calibrated.starting_acceptance_map` (the draft's offline fit where it was made at this setting).
+
+        Args:
+            draft: The draft model the trees are ranked for.
+            sampling: Whether the target samples.
+            temperature: The draft temperature the trees are ranked at.
+            match_weights: The context-match weights mixed into the draft's probabilities.
+            sampled_children: Whether the trees' children are drawn from the draft (their acceptance is that of a
+                rejection chain, another map).
+        """
+        key = (sampling, float(temperature), tuple(match_weights), sampled_children)
+        if key not in self.acceptance_maps:
+            self.acceptance_maps[key] = starting_acceptance_map(draft, sampling, temperature, match_weights)
+        return self.acceptance_maps[key]
+
+    def auto_budget(
+        self, target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig, draft_temperature: float
+    ) -> AutoBudget:
+        """The :class:`~.autobudget.AutoBudget` ``budget="auto"`` uses with ``target``: its running estimates
+        outlive a ``generate()`` call, so later calls start from what earlier ones measured.
+
+        Args:
+            target: The target model.
+            draft: The draft model.
+            config: ``max_depth``, ``max_branch`` (acceptance ranks tracked) and ``expand_per_forward``.
+            draft_temperature: The draft temperature the trees are ranked with (acceptance differs with it).
+        """
+        by_setting = self.auto_budgets.setdefault(target, {})
+        key = (draft_temperature, config.max_depth, config.max_branch, config.expand_per_forward)
+        if key not in by_setting:
+            by_setting[key] = new_auto_budget(target, draft, config)
+        return by_setting[key]
+
+
+# The state each draft carries by default; it vanishes with the draft.
+_draft_states: weakref.WeakKeyDictionary[PreTrainedModel, LearntState] = weakref.WeakKeyDictionary()
+
+
+def learnt_state_of(draft: PreTrainedModel) -> LearntState:
+    """The :class:`LearntState` ``draft`` carries by default: what every ``generate()`` call with it that passes no
+    ``learnt_state`` learns and reads."""
+    return _draft_states.setdefault(draft, LearntState())
