@@ -16,6 +16,7 @@ from .core import (
     grow_tree,
 )
 from .hf import (
+    LearntState,
     SpecExecCandidateGenerator,
     SpecExecDecoderOnlyOutput,
     TreeBatch,
@@ -47,6 +48,7 @@ __all__ = [
     "Acceptance",
     "BestFirstSearch",
     "LayerStreamer",
+    "LearntState",
     "SearchResult",
     "SpecExecCandidateGenerator",
     "SpecExecConfig",

@@ -8,6 +8,8 @@
   for drawn children;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
 - :mod:`.acceptance_map`: the online map from draft probability to acceptance probability;
+- :mod:`.precision`: which greedy choices are within rounding of a tie; :mod:`.step_budget`: one node budget
+  shared by several trees;
 - :mod:`.config`: the knobs; :mod:`.stats`: what a generation reports.
 """
 

@@ -20,20 +20,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .device import StreamDevice
-from .layout import RingSlot as _Slot
-from .layout import bind_views as _bind_views
-from .layout import plan_runs as _plan_runs
-from .layout import ring_slots as _ring_slots
-from .layout import slot_members as _slot_members
-from .layout import unit_copies as _copies
-from .stream import LayerStreamer
-from .stream import unit_parameters as _unit_parameters
+from .layout import RingSlot, bind_views, plan_runs, ring_slots, slot_members, unit_copies
+from .stream import LayerStreamer, unit_parameters
 
 HOST_PLACEMENTS = ("cpu", "disk")
 
 
 @dataclass(eq=False)
-class _DeviceSlot(_Slot):
+class _DeviceSlot(RingSlot):
     """A ring slot on the device; ``filled`` resolves to the done event of the copy into it.
 
     Args:
@@ -57,7 +51,7 @@ class DeviceLayerStreamer(LayerStreamer):
     """Runs layers placed in CPU RAM or on disk out of a fixed ring of device buffers, loading one ahead.
 
     Each streamed layer computes out of the same slot (``prefetch + 1`` slots in turn, see
-    :func:`~.stream._ring_slots`), whose parameter views are bound once and never move. Before layer ``i`` runs,
+    :func:`~.layout.ring_slots`), whose parameter views are bound once and never move. Before layer ``i`` runs,
     the compute queue waits for the copy-done event of its slot, and the copies of the next ``prefetch`` layers
     are issued (wrapping around to the next forward's first layers, which then load while the draft grows its
     tree); each waits on the copy queue for a slot-free event recorded on the compute queue when the copy is
@@ -72,7 +66,7 @@ class DeviceLayerStreamer(LayerStreamer):
         unit_names: The streamed layers' module names, in execution order.
         units: ``(module, copies into the slot's staging buffer)`` per layer; no copies for a layer in RAM.
         slots: The device ring.
-        slot_of: The slot of each layer, from :func:`~.stream._ring_slots`.
+        slot_of: The slot of each layer, from :func:`~.layout.ring_slots`.
         unit_bytes: The bytes each layer's copy moves.
         prefetch: Layers loaded ahead of the one computing.
         hosts: Per layer, its pinned host buffer (placed in RAM), or ``None`` (placed on disk).
@@ -121,7 +115,7 @@ class DeviceLayerStreamer(LayerStreamer):
             if where not in HOST_PLACEMENTS
             for parameter in model.get_submodule(name).parameters()
         }
-        parameters = _unit_parameters(
+        parameters = unit_parameters(
             model,
             streamed,
             resident=lambda parameter: id(parameter) in resident_ids,
@@ -131,11 +125,11 @@ class DeviceLayerStreamer(LayerStreamer):
         if not streamed:
             model.to(device.device)
             return None
-        plans = [_plan_runs(parameters.pop(name), device.alignment, each_fresh=True) for name in streamed]
+        plans = [plan_runs(parameters.pop(name), device.alignment, each_fresh=True) for name in streamed]
         unit_bytes = [size for size, _ in plans]
-        slot_of = _ring_slots(len(streamed), prefetch)
+        slot_of = ring_slots(len(streamed), prefetch)
         slots = []
-        for members in _slot_members(slot_of):
+        for members in slot_members(slot_of):
             disk_sizes = [unit_bytes[position] for position in members if device_map[streamed[position]] == "disk"]
             staging = device.pin(max(disk_sizes)) if disk_sizes else None
             buffer = device.allocate(max(unit_bytes[position] for position in members))
@@ -146,15 +140,15 @@ class DeviceLayerStreamer(LayerStreamer):
             plans[position] = None  # with the module rebound below, the last reference to its weights in RAM
             slot = slots[slot_of[position]]
             if device_map[name] == "disk":
-                units.append((model.get_submodule(name), _copies(runs, slot.staging)))
+                units.append((model.get_submodule(name), unit_copies(runs, slot.staging)))
                 hosts.append(None)
             else:
                 host = device.pin(size)
-                for copy in _copies(runs, host):
+                for copy in unit_copies(runs, host):
                     copy.target.copy_(copy.source)
                 units.append((model.get_submodule(name), []))
                 hosts.append(host)
-            _bind_views(runs, slot.buffer)
+            bind_views(runs, slot.buffer)
             del runs
         model.to(device.device)  # resident units; the streamed ones are bound to device views already
         streamer = cls(streamed, units, slots, slot_of, unit_bytes, prefetch, hosts, device)
@@ -166,7 +160,7 @@ class DeviceLayerStreamer(LayerStreamer):
         """Bytes a forward finds loaded already: its first ``prefetch`` layers, whose copies the previous forward
         issued at its end (in generation they land while the draft grows its tree). A forward's own copies move
         ``streamed_bytes_per_forward - read_ahead_bytes`` before its last layer computes."""
-        shared = _slot_members(self._slot_of)
+        shared = slot_members(self._slot_of)
         first = range(min(self._prefetch, len(self._units)))
         return sum(self._unit_bytes[position] for position in first if len(shared[self._slot_of[position]]) > 1)
 
