@@ -33,7 +33,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +144,27 @@ def cap_figures(cap: MemoryCap | None, entry: dict[str, Any]) -> None:
         entry["reclaims"] = cap.failures()
 
 
+@contextmanager
+def streamed_target(checkpoint: Path, cap: MemoryCap | None, prefetch: int) -> Iterator[torch.nn.Module]:
+    """The checkpoint's model with every weight on disk, run by the stream executor; on exit the model is freed
+    and the cap lifted."""
+    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch)
+    try:
+        yield model
+    finally:
+        layer_streamer(model).close()
+        del model
+        gc.collect()
+        if cap is not None:
+            cap.limit(None)
+
+
 def forward_curve(
     checkpoint: Path, label: str, token_counts: list[int], repeats: int, cap: MemoryCap | None, args, bound_gbps: float
 ) -> dict[str, Any]:
     """Forward seconds against tokens scored, the whole model streamed from disk under the cap."""
     weights = checkpoint / "model.safetensors"
-    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=args.prefetch)
-    try:
+    with streamed_target(checkpoint, cap, args.prefetch) as model:
         streamed = layer_streamer(model).streamed_bytes_per_forward
         evict(weights)
         entry: dict[str, Any] = {"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -160,12 +175,6 @@ def forward_curve(
             seconds[str(tokens)] = forward_seconds(model, tokens, repeats)
             print(f"  {label}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s", flush=True)
         cap_figures(cap, entry)
-    finally:
-        layer_streamer(model).close()
-        del model
-        gc.collect()
-        if cap is not None:
-            cap.limit(None)
     entry["seconds"] = seconds
     entry["share_of_bound"] = {n: streamed / s / GB / bound_gbps for n, s in seconds.items()} if bound_gbps else {}
     one = seconds.get("1")
@@ -212,11 +221,10 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     draft, tokenizer = load_draft("distilled")
     checkpoint = target_cache_dir()
     weights = checkpoint / "model.safetensors"
-    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=args.prefetch)
     compared = methods(draft, args)
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
-    try:
+    with streamed_target(checkpoint, cap, args.prefetch) as model:
         for kwargs in compared.values():  # warm-ups: lazy initialisations, the auto budget's profile
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
         evict(weights)
@@ -232,12 +240,6 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
                 print(f"  prompt {index} {method:<26} {len(row['tokens']) / row['seconds']:6.2f} tok/s"
                       f"{'' if row['equals_plain_greedy'] else '  DIFFERS'}", flush=True)
         cap_figures(cap, entry)
-    finally:
-        layer_streamer(model).close()
-        del model
-        gc.collect()
-        if cap is not None:
-            cap.limit(None)
     entry["methods"] = summarize(rows)
     entry["rows"] = rows
     return entry
