@@ -12,8 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, SpecExecStats
+from specexec_hf.core import search
 from specexec_hf.core.acceptance_map import AcceptanceMap
+from specexec_hf.core.search import TREE_POLICIES, BestFirstPolicy, register_tree_policy, tree_policy
 from specexec_hf.core.static_trees import (
+    PRIOR_ACCEPTANCE,
     SequoiaSearch,
     SpecInferSearch,
     TreeShape,
@@ -73,6 +76,49 @@ def test_the_drafter_refuses_what_a_static_policy_cannot_do():
         SpecExecCandidateGenerator(draft, config, search=SequoiaSearch([0.5]), sampled_children=True)
     with pytest.raises(TypeError, match="SearchPolicy"):
         SpecExecCandidateGenerator(draft, config, search=lambda root_token, expand, config: None)
+
+
+@pytest.mark.parametrize("name", ["specexec", "specinfer", "sequoia"])
+def test_policies_by_name_keep_greedy_output(name):
+    target = tiny_model("llama", seed=7)
+    draft = perturbed_copy(target, 0.05, seed=8)
+    ids = prompt(7, 5)
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    stats = SpecExecStats()
+    got = target.generate(
+        ids, max_new_tokens=12, do_sample=False, assistant_model=draft, speculator="specexec",
+        budget=10, max_depth=4, tree_search=name, specexec_stats=stats,
+    )
+    assert got.tolist() == expected.tolist()
+    assert all(step.tree_size <= 11 for step in stats.steps)
+
+
+def test_registered_names_build_their_policies():
+    assert {"specexec", "specinfer", "sequoia"} <= set(TREE_POLICIES)
+    assert tree_policy("specexec") is search.grow_tree
+    assert tree_policy("specinfer", beams=2).beams == 2
+    assert tree_policy("sequoia").acceptance == list(PRIOR_ACCEPTANCE)
+    assert tree_policy("sequoia", acceptance=[0.7, 0.1]).acceptance == [0.7, 0.1]
+    assert all(later < earlier for earlier, later in zip(PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE[1:]))
+
+
+def test_an_unknown_policy_name_is_refused_first_with_the_registered_names():
+    target = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=0, vocab_size=32)  # refused too, but the policy's name is checked first
+    kwargs = dict(max_new_tokens=2, do_sample=False, assistant_model=draft, speculator="specexec")
+    with pytest.raises(ValueError, match=r"Unknown tree policy 'sequia'.*'sequoia', 'specexec', 'specinfer'"):
+        target.generate(prompt(0, 3), tree_search="sequia", **kwargs)
+    with pytest.raises(ValueError) as refusal:
+        target.generate(prompt(0, 3), tree_search="sequoia", **kwargs)
+    assert "Unknown tree policy" not in str(refusal.value)
+
+
+def test_a_registered_policy_is_selectable_by_name_and_names_are_unique(monkeypatch):
+    monkeypatch.setattr(search, "TREE_POLICIES", dict(TREE_POLICIES))
+    register_tree_policy("best_first_copy", BestFirstPolicy)
+    assert isinstance(tree_policy("best_first_copy"), BestFirstPolicy)
+    with pytest.raises(ValueError, match="already registered"):
+        register_tree_policy("sequoia", SequoiaSearch)
 
 
 @given(budget=st.integers(1, 60), max_depth=st.integers(1, 12), beams=st.none() | st.integers(1, 8))

@@ -2,8 +2,8 @@
 
 - :mod:`.tree`: the token tree (parents-first nodes, depths, cumulative draft log-probs, ancestor masks);
 - :mod:`.search`: the tree-search protocol (``SearchPolicy`` starts a step-by-step ``TreeSearch``) and SpecExec's
-  best-first growth (``grow_tree``); :mod:`.static_trees`: SpecInfer- and Sequoia-style policies on the same
-  protocol; further tree policies go beside them;
+  best-first growth (``grow_tree``), and the policies by name (``tree_policy``); :mod:`.static_trees`: SpecInfer-
+  and Sequoia-style policies on the same protocol; further tree policies go beside them;
 - :mod:`.verify`: the acceptance walk of the target's own choices down the tree, and recursive rejection sampling
   for drawn children;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
@@ -17,6 +17,7 @@ from .config import SpecExecConfig
 from .context_match import ContextIndex, mix_context_guesses
 from .masks import additive_mask, chain_and_tree_mask
 from .search import (
+    TREE_POLICIES,
     BestFirstPolicy,
     BestFirstSearch,
     ExpandFn,
@@ -25,6 +26,8 @@ from .search import (
     TopCandidates,
     TreeSearch,
     grow_tree,
+    register_tree_policy,
+    tree_policy,
 )
 from .static_trees import (
     SequoiaSearch,
@@ -39,6 +42,7 @@ from .tree import TokenTree
 from .verify import Acceptance, acceptance_walk, rejection_chain, rejection_sample, taken_probabilities
 
 __all__ = [
+    "TREE_POLICIES",
     "Acceptance",
     "BestFirstPolicy",
     "BestFirstSearch",
@@ -63,7 +67,9 @@ __all__ = [
     "chain_and_tree_mask",
     "grow_tree",
     "mix_context_guesses",
+    "register_tree_policy",
     "rejection_chain",
     "rejection_sample",
     "taken_probabilities",
+    "tree_policy",
 ]

@@ -11,6 +11,9 @@ included), ranked by cumulative log-prob with ties going to the lower index. A c
 its parent's and a child's index always exceeds its parent's, so that ranking puts every parent ahead of its
 children: the kept set is always a tree. Each draft forward expands the best kept nodes not yet expanded; the
 search stops when none of them could still produce a child that ranks inside the budget.
+
+Policies are also known by name (:data:`TREE_POLICIES`, ``generate(..., tree_search="sequoia")``): each module
+registers its policies with one :func:`register_tree_policy` line beside the class.
 """
 
 from __future__ import annotations
@@ -237,3 +240,36 @@ class BestFirstPolicy(SearchPolicy):
 grow_tree = BestFirstPolicy()
 """SpecExec's tree growth, the default policy: ``grow_tree(root_token, expand, config, max_depth=None, device=None)``
 grows one tree through the ``expand`` callback; ``grow_tree.start(...)`` gives the step-by-step search."""
+
+TREE_POLICIES: dict[str, Callable[..., SearchPolicy]] = {}
+"""Tree policies by name: each factory's keyword arguments are the policy's options (see :func:`tree_policy`)."""
+
+
+def register_tree_policy(name: str, factory: Callable[..., SearchPolicy]) -> None:
+    """Makes a policy selectable by name, as ``generate(..., tree_search=name)`` and :func:`tree_policy`.
+
+    Args:
+        name: The policy's name; must not be registered already.
+        factory: Builds the policy; called with no arguments when selected by name alone.
+    """
+    if name in TREE_POLICIES:
+        raise ValueError(f"A tree policy named {name!r} is already registered: pick another name.")
+    TREE_POLICIES[name] = factory
+
+
+def tree_policy(name: str, **options) -> SearchPolicy:
+    """The registered policy ``name``, built with ``options`` (e.g. ``tree_policy("sequoia", acceptance=[...])``).
+
+    Args:
+        name: A key of :data:`TREE_POLICIES`.
+        options: Keyword arguments for the policy's factory.
+    """
+    if name not in TREE_POLICIES:
+        raise ValueError(
+            f"Unknown tree policy {name!r}: the registered ones are {sorted(TREE_POLICIES)}. Pass one of those, a "
+            "SearchPolicy object, or register yours with specexec_hf.core.search.register_tree_policy."
+        )
+    return TREE_POLICIES[name](**options)
+
+
+register_tree_policy("specexec", lambda: grow_tree)

@@ -2,10 +2,11 @@
 
 Both are *static* trees: the shape (which node hangs under which parent, as the draft's rank-r choice there) is
 fixed before drafting, and the draft only fills in the tokens. They are :class:`~.search.SearchPolicy` objects
-like SpecExec's ``grow_tree``, so ``generate(tree_search=...)``, batched drafting, verification and the KV caches
-are shared and only the policy differs. The fill (:class:`StaticTreeFill`) expands one tree level per draft
-forward, all of that level's parents in one batched call. The shape fixes each child's rank, so an acceptance map
-cannot re-rank the children and they cannot be drawn (both capability flags stay off).
+like SpecExec's ``grow_tree`` and registered by name (``"specinfer"``, ``"sequoia"``), so
+``generate(tree_search=...)``, batched drafting, verification and the KV caches are shared and only the policy
+differs. The fill (:class:`StaticTreeFill`) expands one tree level per draft forward, all of that level's parents in
+one batched call. The shape fixes each child's rank, so an acceptance map cannot re-rank the children and they
+cannot be drawn (both capability flags stay off).
 
 - SpecInfer (Miao et al., 2024), expansion-based construction ``<k, 1, 1, ...>``: the draft's top-k tokens
   under the root, each continued greedily, i.e. k independent draft beams merged at the root.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SpecExecConfig
-from .search import DeviceLike, SearchPolicy, SearchResult, TopCandidates
+from .search import DeviceLike, SearchPolicy, SearchResult, TopCandidates, register_tree_policy
 from .tree import TokenTree
 
 
@@ -201,6 +202,9 @@ class SpecInferSearch(StaticTreeSearch):
         return TreeShape.from_nodes(parents, ranks)
 
 
+register_tree_policy("specinfer", SpecInferSearch)
+
+
 class SequoiaSearch(StaticTreeSearch):
     """Sequoia-style static tree, optimal for a per-rank acceptance vector.
 
@@ -210,12 +214,19 @@ class SequoiaSearch(StaticTreeSearch):
     nodes best first (a heap over "next child of a node" and "next sibling" moves) yields exactly the DP's
     optimum in ``O(budget log budget)`` instead of its ``O(budget^2 * ranks * depth)``.
 
+    By name (``generate(..., tree_search="sequoia")``) it starts from :data:`PRIOR_ACCEPTANCE`, the geometric
+    prior ``p[r] = 2**-(r+1)`` that ``budget="auto"``'s acceptance profile also starts from, and does not learn:
+    a policy sees no walk. For the measured vector pass it, as ``tree_policy("sequoia", acceptance=p)`` (``p``
+    from :func:`~specexec_hf.tools.acceptance.measure_acceptance`, or the rates ``budget="auto"`` has learnt:
+    ``AutoBudget.acceptance.rates()``).
+
     Args:
-        acceptance: ``p[r]`` for ranks ``0..R-1``, e.g. from :func:`measure_acceptance`; ranks beyond are unused.
+        acceptance: ``p[r]`` for ranks ``0..R-1``; ranks beyond are unused. ``None``: :data:`PRIOR_ACCEPTANCE`.
     """
 
-    def __init__(self, acceptance: Sequence[float]) -> None:
+    def __init__(self, acceptance: Sequence[float] | None = None) -> None:
         super().__init__()
+        acceptance = PRIOR_ACCEPTANCE if acceptance is None else acceptance
         if not acceptance or any(not 0 <= p <= 1 for p in acceptance):
             raise ValueError(f"acceptance must be a non-empty list of probabilities, got {list(acceptance)!r}.")
         self.acceptance = [float(p) for p in acceptance]
@@ -223,6 +234,12 @@ class SequoiaSearch(StaticTreeSearch):
     def shape(self, budget: int, max_depth: int, vocab_size: int) -> TreeShape:
         parents, ranks, _ = best_first_nodes(self.acceptance[:vocab_size], budget, max_depth)
         return TreeShape.from_nodes(parents, ranks)
+
+
+PRIOR_ACCEPTANCE = tuple(0.5 ** (rank + 1) for rank in range(8))
+"""Sequoia's acceptance vector before anything is measured: each rank half as likely as the one before."""
+
+register_tree_policy("sequoia", SequoiaSearch)
 
 
 def best_first_nodes(

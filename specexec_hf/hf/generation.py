@@ -17,7 +17,7 @@ from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ..core.config import SpecExecConfig
-from ..core.search import SearchPolicy, grow_tree
+from ..core.search import SearchPolicy, grow_tree, tree_policy
 from ..core.stats import SpecExecStats
 from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
@@ -51,7 +51,7 @@ def generate(
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
-    tree_search: SearchPolicy = grow_tree,
+    tree_search: SearchPolicy | str = grow_tree,
     learnt_state: LearntState | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -78,8 +78,10 @@ def generate(
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
-        tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks); the acceptance
-            map and drawn children apply to policies that support them (``ranks_children``, ``draws_children``).
+        tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
+            a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
+            :data:`~specexec_hf.core.search.TREE_POLICIES`); the acceptance map and drawn children apply to policies
+            that support them (``ranks_children``, ``draws_children``).
         learnt_state: Where the acceptance maps and ``budget="auto"``'s estimates are read and taught; ``None``:
             the state the draft carries (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep
             learning. Pass a separate :class:`~.learnt_state.LearntState` to keep a run's learning apart.
@@ -89,6 +91,7 @@ def generate(
             per-token inputs such as ``token_type_ids``, and its own cache bookkeeping (see
             :mod:`specexec_hf.hf.request`).
     """
+    tree_search = tree_policy(tree_search) if isinstance(tree_search, str) else tree_search
     draft_model, request = _checked_request(
         model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
         model_kwargs, synced_gpus,

@@ -48,8 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from .. import models
 from ..core.config import SpecExecConfig
-from ..core.search import grow_tree
-from ..core.static_trees import SequoiaSearch, SpecInferSearch
+from ..core.search import tree_policy
 from ..core.stats import SpecExecStats
 from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile
 from ..hf.compat import use_sdpa_attention
@@ -207,22 +206,15 @@ class Bench:
             return {}
         if run.method == "hf_assisted":  # its settings live in the draft's generation_config (see measure)
             return {"assistant_model": self.draft}
-        searches: dict[str, Callable[[], Any]] = {
-            "specinfer": SpecInferSearch,
-            "sequoia": lambda: SequoiaSearch(self.acceptance[run.temperature]),
-            "specexec": lambda: grow_tree,
-            "specexec_auto": lambda: grow_tree,
-            "specexec_raw": lambda: grow_tree,
-            "specexec_draft_only": lambda: grow_tree,
-            "specexec_drawn": lambda: grow_tree,
-        }
+        policy = "specexec" if run.method in SPECEXEC_METHODS else run.method
+        options = {"acceptance": self.acceptance[run.temperature]} if run.method == "sequoia" else {}
         tree = replace(self.tree, max_depth=self.specexec_max_depth) if run.method in SPECEXEC_METHODS else self.tree
         kwargs = {
             "assistant_model": self.draft,
             "speculator": "specexec",
             "specexec_config": tree,
             "budget": run.budget,
-            "tree_search": searches[run.method](),
+            "tree_search": tree_policy(policy, **options),
         }
         if run.method == "specexec_draft_only":
             kwargs["context_match_weights"] = ()
