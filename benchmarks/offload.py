@@ -31,6 +31,8 @@ from specexec_hf.models import target_cache_dir
 from specexec_hf.offload import load_offloaded
 from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
+from memory_cap import evict  # a sibling script (benchmarks/ runs from its own folder)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_executors"
 EXECUTORS = ("accelerate", "stream")
 
@@ -77,9 +79,9 @@ def exported_draft(weights: Path):
 
 def disk_read_seconds(path: Path) -> dict[str, float]:
     """Seconds to read ``path`` right after evicting it from the page cache, then again from the cache."""
+    evict(path)
     descriptor = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
         result: dict[str, float] = {}
         for state in ("evicted", "cached"):
             started, offset = time.perf_counter(), 0

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_offload import LlamaShape, interpolate  # noqa: E402  (sibling scripts, not a package)
 from loaders import disk_bound  # noqa: E402
 from memory_cap import MemoryCap, evict  # noqa: E402
-from offload import forward_seconds, load_draft  # noqa: E402
+from offload import disk_read_seconds, forward_seconds, load_draft  # noqa: E402
 
 import specexec_hf  # noqa: E402
 from specexec_hf.models import target_cache_dir  # noqa: E402
@@ -113,15 +113,10 @@ def bound(weights: Path, repeats: int) -> dict[str, Any]:
     """The disk's direct-read bandwidth over ``weights`` (best of ``repeats`` cold reads by the executor's reader,
     :func:`loaders.disk_bound`), and one cold read of the same file through the page cache for comparison."""
     direct = [disk_bound(weights)["gb_per_s"] for _ in range(repeats)]
+    buffered = disk_read_seconds(weights)
     evict(weights)
-    started, size = time.perf_counter(), 0
-    with open(weights, "rb", buffering=0) as handle:
-        while chunk := handle.read(16 << 20):
-            size += len(chunk)
-    buffered = size / (time.perf_counter() - started) / GB
-    evict(weights)
-    return {"file": str(weights), "bytes": size, "direct_gbps": max(direct), "direct_gbps_runs": direct,
-            "buffered_cold_gbps": buffered}
+    return {"file": str(weights), "bytes": buffered["bytes"], "direct_gbps": max(direct), "direct_gbps_runs": direct,
+            "buffered_cold_gbps": buffered["bytes"] / buffered["evicted"] / GB}
 
 
 def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
