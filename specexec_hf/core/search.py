@@ -18,7 +18,7 @@ registers its policies with one :func:`register_tree_policy` line beside the cla
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,12 +59,16 @@ class SearchResult:
         pool: Every candidate the search generated, in generation order.
         pool_index: ``[tree.num_nodes]`` position of each kept node in ``pool``.
         draft_forwards: Calls made to ``expand``.
+        draft_top_tokens: ``[tree.num_nodes, k]`` the draft's top-k tokens, best first, at each tree node it
+            expanded (rows of -1 elsewhere), for a policy that learns per-rank acceptance from the walk
+            (:meth:`SearchPolicy.observe`); ``None`` when the search did not record them.
     """
 
     tree: TokenTree
     pool: TokenTree
     pool_index: torch.Tensor
     draft_forwards: int
+    draft_top_tokens: torch.Tensor | None = None
 
 
 class TreeSearch(Protocol):
@@ -140,6 +144,47 @@ class SearchPolicy:
         while (nodes := search.next_nodes()) is not None:
             search.add_expansion(nodes, expand(search.pool, nodes))
         return search.result()
+
+    def observe(
+        self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
+    ) -> None:
+        """Learns from the target's walk down a tree this policy grew; the drafter calls it after every walk.
+        Does nothing unless the policy learns (Sequoia's learns its per-rank acceptance vector).
+
+        Args:
+            result: The search whose tree the target verified.
+            choices: The target's token at the root and at each accepted node after it (the walk's tokens).
+            choice_probs: When the target samples, the ``[1, vocab]`` distribution it sampled each choice from.
+        """
+
+    def size_by_cost(self, target_seconds: Callable[[int], float], draft_forward_seconds: float) -> bool:
+        """Offers the measured cost of a step (``budget="auto"``): a policy that picks its own tree size from it
+        takes it and returns True, and ``budget`` is then only its upper bound; the default declines, and
+        ``budget="auto"`` picks the budget before every step instead.
+
+        Args:
+            target_seconds: The target's forward time over ``n`` tokens (the root and ``n - 1`` tree nodes).
+            draft_forward_seconds: The time of one draft forward.
+        """
+        return False
+
+
+def walked_nodes(tree: TokenTree, choices: Sequence[int]) -> list[int]:
+    """The tree nodes where the target made each of ``choices``: the root, then each child it chose, until a choice
+    leaves the tree (one host read of the tree).
+
+    Args:
+        tree: The verified tree.
+        choices: The walk's tokens, the choice at the root first.
+    """
+    children = tree.child_index()
+    visited, node = [], 0
+    for choice in choices:
+        visited.append(node)
+        node = children.get((node, choice), -1)
+        if node < 0:
+            break
+    return visited
 
 
 def rank_nodes(logprobs: torch.Tensor) -> torch.Tensor:

@@ -11,21 +11,23 @@ cannot be drawn (both capability flags stay off).
 - SpecInfer (Miao et al., 2024), expansion-based construction ``<k, 1, 1, ...>``: the draft's top-k tokens
   under the root, each continued greedily, i.e. k independent draft beams merged at the root.
 - Sequoia (Chen et al., 2024): the shape that maximises the expected number of accepted tokens under a
-  measured per-rank acceptance vector ``p`` (``p[r]``: how likely the target's choice is the draft's rank-r
-  token), assuming acceptance is independent of the position in the tree.
+  per-rank acceptance vector ``p`` (``p[r]``: how likely the target's choice is the draft's rank-r token),
+  assuming acceptance is independent of the position in the tree. The vector is learnt online from the walks
+  (:meth:`SequoiaSearch.observe`) and, given the measured cost of a step (``budget="auto"``), the tree's size and
+  depth are Sequoia's hardware-aware choice: the most expected tokens per second.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .config import SpecExecConfig
-from .search import DeviceLike, SearchPolicy, SearchResult, TopCandidates, register_tree_policy
+from .search import DeviceLike, SearchPolicy, SearchResult, TopCandidates, register_tree_policy, walked_nodes
 from .tree import TokenTree
 
 
@@ -71,7 +73,13 @@ class StaticTreeSearch(SearchPolicy):
 
     Subclasses define ``shape(budget, max_depth, vocab_size)``; shapes are cached per ``(budget, max_depth,
     vocab_size)`` because the depth limit only changes near the end of a generation.
+
+    Attributes:
+        recorded_ranks: The draft's top tokens the fill keeps at each expanded node for :meth:`observe`
+            (:attr:`SearchResult.draft_top_tokens`); 0 for a policy that does not learn.
     """
+
+    recorded_ranks: int = 0
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[int, int, int], TreeShape] = {}
@@ -129,6 +137,8 @@ class StaticTreeFill:
         self.forwards = 0
         self.parents: torch.Tensor | None = None  # the shape's, once the vocabulary size is known
         self.ranks: torch.Tensor | None = None
+        # Per expansion, the expanded nodes and the draft's top policy.recorded_ranks tokens there.
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The nodes the next forward expands; none when there is no room for draft tokens (the target then adds its
         # bonus token alone).
         self.level = torch.zeros(1, dtype=torch.long, device=self.pool.device) if self.depth_limit >= 1 else None
@@ -158,7 +168,10 @@ class StaticTreeFill:
         first = pool.num_nodes
         last = int(torch.searchsorted(parents, first))
         child_parents, child_ranks = parents[first:last], ranks[first:last]
-        top_logprobs, top_tokens = logprobs.float().topk(int(child_ranks.max()) + 1, dim=-1)
+        top = max(int(child_ranks.max()) + 1, min(self.policy.recorded_ranks, logprobs.shape[-1]))
+        top_logprobs, top_tokens = logprobs.float().topk(top, dim=-1)
+        if self.policy.recorded_ranks:
+            self.recorded.append((nodes, top_tokens[:, : self.policy.recorded_ranks]))
         rows = torch.searchsorted(nodes, child_parents)
         pool.add_children(
             child_parents,
@@ -171,7 +184,15 @@ class StaticTreeFill:
     def result(self) -> SearchResult:
         """The filled tree; every pool node is kept."""
         pool = self.pool
-        return SearchResult(pool, pool, torch.arange(pool.num_nodes, device=pool.device), self.forwards)
+        top_tokens = None
+        if self.recorded:
+            width = self.recorded[0][1].shape[-1]
+            top_tokens = torch.full((pool.num_nodes, width), -1, dtype=torch.long, device=pool.device)
+            for nodes, tokens in self.recorded:
+                top_tokens[nodes.to(pool.device)] = tokens.to(pool.device)
+        return SearchResult(
+            pool, pool, torch.arange(pool.num_nodes, device=pool.device), self.forwards, draft_top_tokens=top_tokens
+        )
 
 
 class SpecInferSearch(StaticTreeSearch):
@@ -205,8 +226,27 @@ class SpecInferSearch(StaticTreeSearch):
 register_tree_policy("specinfer", SpecInferSearch)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """Modelled seconds of one step with a static tree: the target's forward over the root and the tree's nodes,
+    plus one draft forward per level that has children.
+
+    Args:
+        target_seconds: The target's forward time over ``n`` tokens (e.g. ``budget="auto"``'s measured profile,
+            :class:`~specexec_hf.hf.autobudget.ForwardProfile`).
+        draft_forward_seconds: The time of one draft forward.
+    """
+
+    target_seconds: Callable[[int], float]
+    draft_forward_seconds: float
+
+    def __call__(self, nodes: int, depth: int) -> float:
+        """Seconds of a step whose tree has ``nodes`` nodes below the root and ``depth`` levels."""
+        return self.target_seconds(nodes + 1) + depth * self.draft_forward_seconds
+
+
 class SequoiaSearch(StaticTreeSearch):
-    """Sequoia-style static tree, optimal for a per-rank acceptance vector.
+    """Sequoia's static tree: optimal for a per-rank acceptance vector learnt online, sized by the step's cost.
 
     Sequoia's dynamic program maximises ``sum over nodes of prod(p[rank] along the node's path)``, the expected
     number of accepted tokens when acceptance depends only on ranks. Every factor is at most 1, so a node
@@ -214,25 +254,100 @@ class SequoiaSearch(StaticTreeSearch):
     nodes best first (a heap over "next child of a node" and "next sibling" moves) yields exactly the DP's
     optimum in ``O(budget log budget)`` instead of its ``O(budget^2 * ranks * depth)``.
 
-    By name (``generate(..., tree_search="sequoia")``) it starts from :data:`PRIOR_ACCEPTANCE`, the geometric
-    prior ``p[r] = 2**-(r+1)`` that ``budget="auto"``'s acceptance profile also starts from, and does not learn:
-    a policy sees no walk. For the measured vector pass it, as ``tree_policy("sequoia", acceptance=p)`` (``p``
-    from :func:`~specexec_hf.tools.acceptance.measure_acceptance`, or the rates ``budget="auto"`` has learnt:
-    ``AutoBudget.acceptance.rates()``).
+    The vector starts from ``acceptance`` and is learnt from every walk (:meth:`observe`): at each visited node
+    the draft expanded, which of its top ``len(acceptance)`` tokens the target chose (or, sampling, the probability
+    that it chose each), whatever the shape held there, so ranks the tree does not hold are learnt too. The shapes
+    are rebuilt when a rank's rate has moved by more than ``rebuild_tolerance`` since they were built, not every
+    step. A policy built by name (``generate(..., tree_search="sequoia")``) learns within that call; pass one
+    policy object to several calls to keep what it learnt.
+
+    Size: by default the ``budget`` best nodes. Given the step's cost (:meth:`size_by_cost`, which
+    ``generate(budget="auto")`` calls with the forward-time profile it measures, or ``step_cost``), Sequoia's
+    hardware-aware choice: the size (up to ``budget``) and depth limit with the most expected tokens per modelled
+    second (:func:`sized_nodes`).
 
     Args:
-        acceptance: ``p[r]`` for ranks ``0..R-1``; ranks beyond are unused. ``None``: :data:`PRIOR_ACCEPTANCE`.
+        acceptance: ``p[r]`` for ranks ``0..R-1`` (ranks beyond are never used), the starting vector.
+            ``None``: :data:`PRIOR_ACCEPTANCE`.
+        learn: Learn the vector from the walks; False keeps ``acceptance`` (a fixed-prior baseline).
+        prior_strength: How many visited nodes the starting vector is worth.
+        rebuild_tolerance: Largest change of a rank's learnt rate that keeps the current shapes.
+        step_cost: The modelled cost of a step, to size the tree by; ``None``: ``budget`` nodes.
     """
 
-    def __init__(self, acceptance: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        acceptance: Sequence[float] | None = None,
+        learn: bool = True,
+        prior_strength: float = 4.0,
+        rebuild_tolerance: float = 0.01,
+        step_cost: StepCost | None = None,
+    ) -> None:
         super().__init__()
         acceptance = PRIOR_ACCEPTANCE if acceptance is None else acceptance
         if not acceptance or any(not 0 <= p <= 1 for p in acceptance):
             raise ValueError(f"acceptance must be a non-empty list of probabilities, got {list(acceptance)!r}.")
+        if prior_strength <= 0 or rebuild_tolerance < 0:
+            raise ValueError(
+                f"prior_strength must be positive and rebuild_tolerance at least 0, got {prior_strength!r} and "
+                f"{rebuild_tolerance!r}."
+            )
         self.acceptance = [float(p) for p in acceptance]
+        self.learn = learn
+        self.recorded_ranks = len(self.acceptance) if learn else 0
+        self.rebuild_tolerance = rebuild_tolerance
+        self.step_cost = step_cost
+        # Running evidence per rank, the starting vector counting as prior_strength visited nodes.
+        self.hits = torch.tensor(self.acceptance, dtype=torch.float64) * prior_strength
+        self.visits = prior_strength
+
+    def learnt_acceptance(self) -> list[float]:
+        """The current estimate of the per-rank acceptance vector (the shapes follow it within the tolerance)."""
+        return (self.hits / self.visits).tolist()
+
+    def observe(
+        self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
+    ) -> None:
+        """Counts, at each node the walk visited that the draft expanded, which of its top tokens the target chose
+        (sampling: each one's probability under the target's distribution), and rebuilds the shapes when the
+        learnt vector has moved past the tolerance.
+
+        Args:
+            result: The search whose tree the target verified.
+            choices: The target's token at the root and at each accepted node after it.
+            choice_probs: When the target samples, the ``[1, vocab]`` distribution each choice was drawn from.
+        """
+        if not self.learn or result.draft_top_tokens is None:
+            return
+        visited = walked_nodes(result.tree, choices)
+        top_tokens = result.draft_top_tokens[visited]
+        expanded = top_tokens[:, 0] >= 0
+        if choice_probs is None:
+            chosen = torch.tensor(choices[: len(visited)], device=top_tokens.device)
+            hits = (top_tokens == chosen[:, None]).double()
+        else:
+            probs = torch.cat(list(choice_probs[: len(visited)])).to(top_tokens.device)
+            hits = probs.gather(-1, top_tokens.clamp(min=0)).double()
+        hits = hits[expanded].sum(0).cpu()  # one host read per walk
+        self.hits[: hits.numel()] += hits  # a vocabulary smaller than the ranks never picks the missing ones
+        self.visits += int(expanded.sum())
+        learnt = self.learnt_acceptance()
+        if max(abs(new - old) for new, old in zip(learnt, self.acceptance)) > self.rebuild_tolerance:
+            self.acceptance = learnt
+            self._shapes.clear()
+
+    def size_by_cost(self, target_seconds: Callable[[int], float], draft_forward_seconds: float) -> bool:
+        """Sizes the trees by the modelled tokens per second from now on (see :func:`sized_nodes`)."""
+        self.step_cost = StepCost(target_seconds, draft_forward_seconds)
+        self._shapes.clear()
+        return True
 
     def shape(self, budget: int, max_depth: int, vocab_size: int) -> TreeShape:
-        parents, ranks, _ = best_first_nodes(self.acceptance[:vocab_size], budget, max_depth)
+        acceptance = self.acceptance[:vocab_size]
+        if self.step_cost is None:
+            parents, ranks, _ = best_first_nodes(acceptance, budget, max_depth)
+        else:
+            parents, ranks, _ = sized_nodes(acceptance, budget, max_depth, self.step_cost)
         return TreeShape.from_nodes(parents, ranks)
 
 
@@ -240,6 +355,45 @@ PRIOR_ACCEPTANCE = tuple(0.5 ** (rank + 1) for rank in range(8))
 """Sequoia's acceptance vector before anything is measured: each rank half as likely as the one before."""
 
 register_tree_policy("sequoia", SequoiaSearch)
+
+
+def sized_nodes(
+    acceptance: Sequence[float], budget: int, max_depth: int, step_cost: StepCost
+) -> tuple[list[int], list[int], list[float]]:
+    """Sequoia's hardware-aware tree: among the optimal trees of every size up to ``budget`` and every depth limit
+    up to ``max_depth``, the one with the most expected tokens per step (accepted nodes plus the bonus token) per
+    modelled second of the step.
+
+    The optimal tree of ``n`` nodes under a depth limit is the first ``n`` of :func:`best_first_nodes` under that
+    limit, so one enumeration per depth limit gives every size; raising the limit past the depth the
+    unconstrained enumeration reaches changes nothing, so the search stops there.
+
+    Args:
+        acceptance: ``p[r]``, as for :func:`best_first_nodes`.
+        budget: Most nodes below the root.
+        max_depth: Deepest level allowed.
+        step_cost: Modelled seconds of a step by node count and depth.
+
+    Returns:
+        ``(parents, ranks, values)`` of the chosen tree, as :func:`best_first_nodes` gives them (at least one node
+        below the root when the budget and depth allow one).
+    """
+    best: tuple[float, int, int] | None = None  # (tokens per second, depth limit, nodes)
+    for depth_limit in range(1, max_depth + 1):
+        parents, _, values = best_first_nodes(acceptance, budget, depth_limit)
+        depths, tokens, deepest = [0], 1.0, 0
+        for node in range(1, len(parents)):
+            depths.append(depths[parents[node]] + 1)
+            tokens, deepest = tokens + values[node], max(deepest, depths[node])
+            rate = tokens / step_cost(node, deepest)
+            if best is None or rate > best[0]:  # ties keep the smaller, shallower tree
+                best = (rate, depth_limit, node)
+        if deepest < depth_limit:  # the enumeration no longer reaches the limit: deeper limits repeat it
+            break
+    if best is None:
+        return [-1], [-1], [1.0]
+    parents, ranks, values = best_first_nodes(acceptance, budget, best[1])
+    return parents[: best[2] + 1], ranks[: best[2] + 1], values[: best[2] + 1]
 
 
 def best_first_nodes(

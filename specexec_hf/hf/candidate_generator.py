@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, mix_context_guesses
-from ..core.search import SearchPolicy, SearchResult, TopCandidates, TreeSearch, grow_tree
+from ..core.search import SearchPolicy, SearchResult, TopCandidates, TreeSearch, grow_tree, walked_nodes
 from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
 from .compat import check_supported
@@ -202,7 +202,8 @@ class SpecExecCandidateGenerator:
     def observe(
         self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
     ) -> None:
-        """Teaches the acceptance map what the target chose at each node its walk visited.
+        """Teaches the tree policy (:meth:`~specexec_hf.core.search.SearchPolicy.observe`) and the acceptance map
+        what the target chose at each node its walk visited.
 
         Args:
             result: The search whose tree the target verified.
@@ -211,15 +212,10 @@ class SpecExecCandidateGenerator:
                 map then learns each candidate's probability of being sampled instead of whether it was: the same
                 expectation (what the map estimates), without the noise of one draw per node.
         """
+        self.search.observe(result, choices, choice_probs)
         if self.acceptance_map is None or not self._expansions:
             return
-        children = result.tree.child_index()
-        visited, node = [], 0  # the tree nodes where the target made each choice
-        for choice in choices:
-            visited.append(node)
-            node = children.get((node, choice), -1)
-            if node < 0:
-                break
+        visited = walked_nodes(result.tree, choices)  # the tree nodes where the target made each choice
         rows = self._rows_of(result)
         observed = [(index, rows[node]) for index, node in enumerate(visited) if rows[node] is not None]
         if not observed:

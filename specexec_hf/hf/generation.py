@@ -173,6 +173,10 @@ def _decoder(
         sampled_children=sampled_children,
     )
     auto_budget = state.auto_budget(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
+    costs = (auto_budget.target_seconds, auto_budget.draft_forward_seconds) if auto_budget is not None else None
+    if costs is not None and tree_search.size_by_cost(*costs):
+        # The policy sizes each tree from the same measured costs, up to the largest budget "auto" would pick.
+        drafter.config, auto_budget = config.updated(budget=max(auto_budget.candidates)), None
     # Near-ties: how far rounding in the target's dtype can move its logits (see core.precision).
     rule = ChoiceRule(
         TreeLogitsProcessor(logits_processor), do_sample, torch.finfo(model.dtype).eps,
