@@ -21,7 +21,9 @@ Serving: the same JSON as ``vllm serve TARGET --speculative-config '{...}'``. vL
 passes through untouched (it only reads it when it loads a draft itself, which ``custom_class`` does not).
 Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``SPECEXEC_DRAFT_MODEL``,
 ``SPECEXEC_BUDGET``, ...), which the JSON overrides. Settings: ``draft_model`` (path or hub id, required),
-``draft_dtype`` (default: the target's dtype) and the :class:`SpecExecConfig` knobs.
+``draft_dtype`` (default: the target's dtype), ``tree_search`` (a registered tree policy's name, as
+``generate(tree_search=...)`` takes it: ``"specexec"`` by default, ``"sequoia"``, ``"specinfer"``; one policy
+serves and learns from every request) and the :class:`SpecExecConfig` knobs.
 
 All requests of a step grow their trees together (:func:`~specexec_hf.hf.candidate_generator.grow_trees`): each
 round of the best-first searches is one batched draft forward, so a step costs about as many draft calls as
@@ -61,7 +63,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
-from ..core.search import SearchResult
+from ..core.search import SearchResult, tree_policy
 from ..core.step_budget import share_budget
 from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
@@ -130,6 +132,7 @@ class ProposerSettings:
         step_budget: With tree verification, the tree nodes of one step in all: every request grows its tree up to
             ``budget`` nodes, then the trees are cut to the ``step_budget`` best nodes of them all
             (:func:`~specexec_hf.core.step_budget.share_budget`); ``None``: ``budget`` nodes per request.
+        tree_search: The tree policy's registered name (:data:`~specexec_hf.core.search.TREE_POLICIES`).
     """
 
     draft_model: str
@@ -139,6 +142,7 @@ class ProposerSettings:
     offload: str | None = None
     offload_prefetch: int = 1
     step_budget: int | None = None
+    tree_search: str = "specexec"
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -150,7 +154,8 @@ class ProposerSettings:
         """
         knobs = SpecExecConfig.knob_names()
         names = (
-            "draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", "step_budget", *knobs
+            "draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", "step_budget",
+            "tree_search", *knobs,
         )  # fmt: skip
         unknown = sorted(set(extra) - set(names))
         if unknown:
@@ -174,8 +179,11 @@ class ProposerSettings:
                 f"step_budget={step_budget!r}: a step's total of tree nodes needs tree_verification=true and an "
                 "integer of at least 1."
             )
+        tree_search = str(raw.get("tree_search", "specexec"))
+        tree_policy(tree_search)  # an unknown name is refused here, listing the registered ones
         return cls(
-            str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget
+            str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget,
+            tree_search,
         )
 
 
@@ -292,8 +300,9 @@ class SpecExecProposer:
         self.draft: PreTrainedModel | None = None
         self.generators: dict[str, SpecExecCandidateGenerator] = {}
         self.learnt_state = LearntState()  # the acceptance maps every request's walks teach
-        # Per request whose generator has an acceptance map, its last tree's search and the history length it was
-        # grown at: the tokens committed after that length are the target's own choices down that tree.
+        self.tree_search = tree_policy(self.settings.tree_search)  # one policy: every request's walks teach it
+        # Per request, its last tree's search and the history length it was grown at: the tokens committed after
+        # that length are the target's own choices down that tree.
         self.last_searches: dict[str, tuple[SearchResult, int]] = {}
         self.stats = ProposerStats()
         self.speculate_sampled = True
@@ -405,9 +414,8 @@ class SpecExecProposer:
         started = time.perf_counter()
         with torch.inference_mode():
             trees = grow_trees(requests)
-        for (generator, _, _), row, result in zip(requests, rows, trees.results):
-            if generator.acceptance_map is not None:  # only a map learns from the search (from the whole tree)
-                self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))
+        for row, result in zip(rows, trees.results):
+            self.last_searches[req_ids[row]] = (result, int(num_tokens_no_spec[row]))  # for the map and the policy
             self.stats.tree_nodes += result.tree.num_nodes - 1
         if self.tree_verifier is None:
             for row, result in zip(rows, trees.results):
@@ -442,7 +450,7 @@ class SpecExecProposer:
                 # Trees are verified as generate() verifies them: ranked with its settings and its shared acceptance
                 # map, which every request's walks teach.
                 temperature, weights = ranking_setting(self.draft, config, sampling, request_temperature)
-                if config.acceptance_calibration:
+                if config.acceptance_calibration and self.tree_search.ranks_children:
                     acceptance_map = self.learnt_state.acceptance_map(self.draft, sampling, temperature, weights)
             else:
                 # Chains: context matching only when asked for; the draft's calibrated weights were fitted for trees.
@@ -451,14 +459,15 @@ class SpecExecProposer:
                     temperature = request_temperature if sampling else GREEDY_DRAFT_TEMPERATURE
                 weights = config.context_match_weights or ()
             self.generators[req_id] = SpecExecCandidateGenerator(
-                self.draft, config, temperature, context_match_weights=weights, acceptance_map=acceptance_map
+                self.draft, config, temperature, search=self.tree_search, context_match_weights=weights,
+                acceptance_map=acceptance_map,
             )
         return self.generators[req_id]
 
     def _observe(
         self, generator: SpecExecCandidateGenerator, req_id: str, history: np.ndarray, length: int
     ) -> None:
-        """Teaches the acceptance map the target's choices down the request's last tree.
+        """Teaches the acceptance map and the tree policy the target's choices down the request's last tree.
 
         Whatever verified that tree (a whole-tree walk, a truncated tree, or vLLM's chain of zeros near
         ``max_model_len``), each token committed since is the target's own choice given the tokens before it, so

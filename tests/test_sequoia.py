@@ -219,3 +219,30 @@ def test_a_search_result_without_recorded_ranks_teaches_nothing():
     tree = TokenTree.from_root(0)
     policy.observe(SearchResult(tree, tree, torch.arange(1), 1), [3])
     assert policy.visits == 4.0
+
+
+def test_the_vllm_proposer_selects_a_policy_by_name_and_its_walks_teach_it():
+    pytest.importorskip("vllm")
+    from test_vllm_tree_unit import _proposer_config
+
+    from specexec_hf.integrations.vllm import ProposerSettings, SpecExecProposer
+
+    assert ProposerSettings.from_sources({"draft_model": "d"}, {}).tree_search == "specexec"
+    assert ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_SEARCH": "sequoia"}).tree_search == (
+        "sequoia"
+    )
+    with pytest.raises(ValueError, match="Unknown tree policy 'sequia'"):
+        ProposerSettings.from_sources({"draft_model": "d", "tree_search": "sequia"}, {})
+    config = _proposer_config(8, 8)
+    config.speculative_config.draft_load_config.model_loader_extra_config["specexec"]["tree_search"] = "sequoia"
+    proposer = SpecExecProposer(config)
+    proposer.draft = tiny_model("llama", seed=4)
+    proposer.tree_verifier = object()  # trees verified whole: ranked as generate() ranks them
+    generator = proposer._generator("request", 0.0)
+    assert generator.search is proposer.tree_search and isinstance(proposer.tree_search, SequoiaSearch)
+    assert generator.acceptance_map is None  # a static shape fixes each child's rank: no map to rank them by
+    history = prompt(4, 6)
+    proposer.last_searches["request"] = (generator.grow_tree(history), history.shape[1])
+    continuation = proposer.draft.generate(history, max_new_tokens=3, do_sample=False)[0]
+    proposer._observe(generator, "request", continuation.numpy(), continuation.numel())
+    assert proposer.tree_search.visits > 4.0
