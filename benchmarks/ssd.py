@@ -4,20 +4,28 @@ Every section runs inside this process's own memory cgroup (``memory_cap.py``: p
 v1 memory controller needed), so no executor can keep the weights cached between forwards: the case of a model
 bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` as it finishes.
 
-1. **bound**: the disk's direct-read bandwidth over the default target's weight file, read cold with the
-   library's direct reader (the bytes a forward must stream, at the best rate the disk gives them).
+1. **bound**: the disk's direct-read bandwidth, measured once, cold, with the executor's direct reader, on the
+   longest file the run streams (or on a scratch file of ``--bound-min-bytes`` where every file is shorter): a
+   bound read on a short file comes out below what a long stream reaches. A cold buffered read of the scratch
+   file through the page cache is shown beside it.
 2. **forward**: seconds of one forward against the tokens scored (1, 4, 16, 64, 256), weights streamed from disk
-   by the stream executor, for the default target and random-weight shapes written to disk (SmolLM2-1.7B and
-   larger, in bf16); as a share of the bound, and the flat region (the most tokens whose forward stays within 1.3x
-   the 1-token forward). The memory left for caching weights is ``--cache-fraction`` of the shape's weights.
+   by the stream executor, for the default target and random-weight shapes written to ``--shape-dir``
+   (SmolLM2-1.7B and Llama-3-8B in bf16; deleted after their curve unless ``--keep-shapes``); as a share of the
+   bound, and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
+   left for caching weights is ``--cache-fraction`` of the shape's weights, so a shape's weights are 2-3x its
+   cap; the peak the group was charged (process plus page cache) is reported. ``int4`` rows ask the library to
+   stream an optimum-quanto int4 model from disk and report its answer (today a refusal: quantized weights stream
+   from CPU RAM only).
 3. **end to end**: the default pair, target streamed from disk under the same cap, draft in RAM, greedy on
-   held-out prompts: plain ``generate()``, HF assisted generation (its defaults and constant chains) and SpecExec at
-   fixed budgets and ``"auto"``; tokens/s, tokens per target forward, every output checked against plain greedy.
+   held-out prompts: plain ``generate()``, HF assisted generation (its defaults, and constant chains on request)
+   and SpecExec at fixed budgets and ``"auto"``; tokens/s, tokens per target forward, every output checked against
+   plain greedy.
 4. **projection**: tokens/s for the larger shapes from measured parts only: their forward curve (section 2) and the
    real pair's tokens per forward and draft seconds per step (section 3).
 
-Not a test: the figures depend on the disk, the CPU and the load.
-Run (root): .venv/bin/python benchmarks/ssd.py [--prompts 16] [--max-new-tokens 64] [--shapes smollm2-1.7b]
+Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every section small
+(a tiny shape, one prompt, a few tokens) as a smoke check, without root.
+Run (root): .venv/bin/python benchmarks/ssd.py   (about 35 minutes on the 2-core development machine)
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,15 +64,48 @@ from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd"
 GB = 1e9
 FLAT = 1.3  # a forward within this factor of the 1-token forward counts as flat
+DEFAULT_TARGET = "SmolLM2-135M (default target)"
 
-# Public architectures' dimensions (their config.json files); the weights are random.
+# Public architectures' dimensions (their config.json files); the weights are random. "tiny" is --quick's.
 SHAPES = {
     "smollm2-1.7b": LlamaShape("SmolLM2-1.7B", 2048, 8192, 24, 32, 32, 49152, tied=True),
     "llama-8b": LlamaShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256),
+    "tiny": LlamaShape("tiny Llama", 256, 512, 4, 4, 2, 16384, tied=True),  # the vocabulary forward_seconds draws
 }
+DEFAULT_PREFETCH = "1"  # --prefetch's default, parsed by prefetch_value
+DTYPES = {"bf16": torch.bfloat16, "int4": None}  # int4: optimum-quanto's qint4 decoder layers, asked of the library
 
 
 # Random-weight checkpoints, written without holding the model in memory ------------------------------------------
+
+
+def random_pool(dtype: torch.dtype) -> torch.Tensor:
+    """Random values (std 0.02) written over and over: a prime length, so no two tensors repeat in step."""
+    return (torch.randn(4_194_301, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+
+
+def write_scratch_file(path: Path, size: int) -> Path:
+    """A file of ``size`` random bytes (the buffered read's, and the bound's where every streamed file is shorter)."""
+    if path.is_file() and path.stat().st_size == size:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    chunk = random_pool(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    with open(path, "wb") as handle:
+        left = size
+        while left:
+            left -= handle.write(chunk[: min(left, len(chunk))])
+    evict(path)  # its dirty pages would be charged to this process's group
+    return path
+
+
+def ensure_disk_space(directory: Path, needed: int) -> None:
+    """Refuses to start writing ``needed`` bytes where the disk has less free (plus 1 GB of slack)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if needed + GB > free:
+        raise SystemExit(f"The random-weight shapes need {needed / GB:.1f} GB in {directory}, which has "
+                         f"{free / GB:.1f} GB free (1 GB kept as slack): pass fewer --shapes, or --shape-dir on a "
+                         "larger disk.")
 
 
 def write_random_checkpoint(shape: LlamaShape, dtype: torch.dtype, directory: Path) -> Path:
@@ -88,7 +130,7 @@ def write_random_checkpoint(shape: LlamaShape, dtype: torch.dtype, directory: Pa
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    pool = (torch.randn(4_194_301, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)  # a prime length
+    pool = random_pool(dtype)
     partial = weights.with_suffix(".partial")
     with open(partial, "wb") as handle:
         handle.write(len(encoded).to_bytes(8, "little") + encoded)
@@ -103,19 +145,24 @@ def write_random_checkpoint(shape: LlamaShape, dtype: torch.dtype, directory: Pa
                 left -= chunk.numel()
     partial.rename(weights)
     config.save_pretrained(directory)
+    evict(weights)  # its dirty pages would be charged to this process's group and inflate the next cap
     return directory
 
 
 # Sections --------------------------------------------------------------------------------------------------------
 
 
-def bound(weights: Path, repeats: int) -> dict[str, Any]:
-    """The disk's direct-read bandwidth over ``weights`` (best of ``repeats`` cold reads by the executor's reader,
-    :func:`loaders.disk_bound`), and one cold read of the same file through the page cache for comparison."""
+def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
+    """The disk's direct-read bandwidth over the longest of the ``streamed`` files and ``scratch`` (best of
+    ``repeats`` cold reads by the executor's reader, :func:`loaders.disk_bound`; a short file reads slower than a
+    long stream), and one cold read of ``scratch`` through the page cache for comparison (a file of this run's
+    own: pages another process maps cannot be evicted, and would read as cached)."""
+    weights = max([*streamed, scratch], key=lambda path: path.stat().st_size)
     direct = [disk_bound(weights)["gb_per_s"] for _ in range(repeats)]
-    buffered = disk_read_seconds(weights)
-    evict(weights)
-    return {"file": str(weights), "bytes": buffered["bytes"], "direct_gbps": max(direct), "direct_gbps_runs": direct,
+    buffered = disk_read_seconds(scratch)
+    evict(scratch)
+    return {"file": str(weights), "bytes": weights.stat().st_size, "direct_gbps": max(direct),
+            "direct_gbps_runs": direct, "buffered_file": str(scratch), "buffered_bytes": buffered["bytes"],
             "buffered_cold_gbps": buffered["bytes"] / buffered["evicted"] / GB}
 
 
@@ -140,7 +187,7 @@ def cap_figures(cap: MemoryCap | None, entry: dict[str, Any]) -> None:
 
 
 @contextmanager
-def streamed_target(checkpoint: Path, cap: MemoryCap | None, prefetch: int) -> Iterator[torch.nn.Module]:
+def streamed_target(checkpoint: Path, cap: MemoryCap | None, prefetch: int | str) -> Iterator[torch.nn.Module]:
     """The checkpoint's model with every weight on disk, run by the stream executor; on exit the model is freed
     and the cap lifted."""
     model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch)
@@ -160,10 +207,11 @@ def forward_curve(
     """Forward seconds against tokens scored, the whole model streamed from disk under the cap."""
     weights = checkpoint / "model.safetensors"
     with streamed_target(checkpoint, cap, args.prefetch) as model:
-        streamed = layer_streamer(model).streamed_bytes_per_forward
+        streamer = layer_streamer(model)
+        streamed = streamer.streamed_bytes_per_forward
         evict(weights)
         entry: dict[str, Any] = {"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                                 "streamed_bytes": streamed}
+                                 "streamed_bytes": streamed, "ring_bytes": streamer.buffer_bytes}
         entry.update(capped(cap, weights.stat().st_size, args.cache_fraction))
         seconds = {}
         for tokens in token_counts:
@@ -177,6 +225,36 @@ def forward_curve(
     entry["flat_tokens"] = max(flat, default=None)
     entry["over_one_token"] = {n: s / one for n, s in seconds.items()} if one else {}
     return entry
+
+
+def int4_refusal(prefetch: int | str) -> str | None:
+    """Why the stream executor cannot stream an int4 target from disk: the library's answer when asked to put a
+    small optimum-quanto int4 model (decoder layers qint4) wholly on disk, or ``None`` when it streams it."""
+    try:
+        from optimum import quanto
+    except ImportError as error:
+        return f"optimum-quanto is not installed ({error})"
+    model = transformers.LlamaForCausalLM(SHAPES["tiny"].config()).to(torch.bfloat16)
+    quanto.quantize(model, weights=quanto.qint4, include=["model.layers.*"])
+    quanto.freeze(model)
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            streamed = load_offloaded(model, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
+                                      prefetch=prefetch)
+        except ValueError as error:
+            return str(error)
+        layer_streamer(streamed).close()
+    return None
+
+
+def int4_rows(labels: list[str], prefetch: int | str) -> list[dict[str, Any]]:
+    """One not-run row per shape with the library's refusal; an error where the library streams int4 from disk
+    (this script would then need an int4 checkpoint writer to measure it)."""
+    reason = int4_refusal(prefetch)
+    if reason is None:
+        raise RuntimeError("The stream executor now streams int4 (optimum-quanto) weights from disk, but ssd.py "
+                           "writes no int4 checkpoint: add a writer to measure the int4 shapes.")
+    return [{"shape": label, "dtype": "int4", "not_run": reason} for label in labels]
 
 
 def methods(draft, args) -> dict[str, dict]:
@@ -258,11 +336,37 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     return summary
 
 
+def forward_goals(curves: list[dict[str, Any]]) -> dict[str, float]:
+    """The issue's forward goals, from the forward rows: the 1-token forward's share of the bound, the flat region,
+    the 64/1 ratio, and the largest weights-over-cap ratio a shape ran with (its peak named, within the cap or
+    not)."""
+    measured = {curve["shape"]: curve for curve in curves if "seconds" in curve}
+    result: dict[str, float] = {}
+    for shape in (DEFAULT_TARGET, SHAPES["smollm2-1.7b"].name):
+        share = measured.get(shape, {}).get("share_of_bound", {}).get("1")
+        if share is not None:
+            result[f"{shape}: 1-token forward's share of the bound (goal >= 0.85)"] = share
+    flat = measured.get(SHAPES["smollm2-1.7b"].name, {}).get("flat_tokens")
+    if flat is not None:
+        result[f"{SHAPES['smollm2-1.7b'].name}: flat up to tokens (goal >= 32)"] = flat
+    ratio = measured.get(DEFAULT_TARGET, {}).get("over_one_token", {}).get("64")
+    if ratio is not None:
+        result[f"{DEFAULT_TARGET}: 64-token forward / 1-token forward (goal <= 1.5)"] = ratio
+    capped_rows = [curve for curve in measured.values() if curve.get("capped") and "peak_bytes" in curve]
+    if capped_rows:
+        largest = max(capped_rows, key=lambda curve: curve["weights_over_limit"])
+        within = "within" if largest["within_limit"] else "OVER"
+        name = (f"{largest['shape']} {largest['dtype']}: weights over the cap, peak {largest['peak_bytes'] / 1e6:.0f} "
+                f"MB {within} the {largest['limit_bytes'] / 1e6:.0f} MB cap (goal >= 2, within)")
+        result[name] = largest["weights_over_limit"]
+    return result
+
+
 def goals(report: dict[str, Any]) -> dict[str, float]:
-    """The issue's end-to-end ratios, from the end-to-end section."""
+    """The issue's goals: the forward section's, then the end-to-end ratios."""
+    result = forward_goals(report.get("forward", []))
     speed = {name: entry["tokens_per_second"] for name, entry in report.get("end_to_end", {}).get("methods", {}).items()}
     fixed = {name: value for name, value in speed.items() if name.startswith("SpecExec budget") and "auto" not in name}
-    result: dict[str, float] = {}
     if not fixed:
         return result
     best_name = max(fixed, key=fixed.get)
@@ -316,24 +420,34 @@ def markdown(report: dict[str, Any]) -> str:
              f"before. Command: `{env['command']}`", ""]
     if report.get("bound"):
         b = report["bound"]
-        lines += [f"**Bound:** {b['bytes'] / 1e6:.0f} MB read cold: direct {b['direct_gbps']:.2f} GB/s (runs "
-                  f"{', '.join(f'{x:.2f}' for x in b['direct_gbps_runs'])}), buffered {b['buffered_cold_gbps']:.2f} GB/s.", ""]
-    if report.get("forward"):
-        counts = sorted({int(n) for curve in report["forward"] for n in curve["seconds"]})
+        lines += [f"**Bound:** {b['bytes'] / 1e6:.0f} MB (`{Path(b['file']).parent.name}/{Path(b['file']).name}`) read "
+                  f"cold with direct reads: {b['direct_gbps']:.2f} GB/s (best of runs "
+                  f"{', '.join(f'{x:.2f}' for x in b['direct_gbps_runs'])}); a cold buffered read of "
+                  f"{b['buffered_bytes'] / 1e6:.0f} MB through the page cache: {b['buffered_cold_gbps']:.2f} GB/s.", ""]
+    curves = [curve for curve in report.get("forward", []) if "seconds" in curve]
+    if curves:
+        counts = sorted({int(n) for curve in curves for n in curve["seconds"]})
         lines += ["## Forward time against tokens scored, streamed from disk", "",
-                  "| shape | dtype | cap | " + " | ".join(f"{n} tok (s, share of bound)" for n in counts)
+                  "| shape | dtype | cap (weights / cap), peak, ring | "
+                  + " | ".join(f"{n} tok (s, share of bound)" for n in counts)
                   + " | flat up to (<= 1.3x) | 64 / 1 |", "|---|---|---|" + "---:|" * (len(counts) + 2)]
-        for curve in report["forward"]:
+        for curve in curves:
             cells = []
             for n in counts:
                 s = curve["seconds"].get(str(n))
                 share = curve["share_of_bound"].get(str(n))
                 cells.append("" if s is None else f"{s:.3f} ({share:.0%})" if share else f"{s:.3f}")
-            cap = f"{curve['limit_bytes'] / 1e6:.0f} MB, weights {curve['weights_over_limit']:.1f}x" if curve.get(
-                "capped") else "none"
+            cap = (f"{curve['limit_bytes'] / 1e6:.0f} MB ({curve['weights_over_limit']:.1f}x), peak "
+                   f"{curve.get('peak_bytes', 0) / 1e6:.0f} MB" if curve.get("capped") else "none"
+                   ) + f", ring {curve['ring_bytes'] / 1e6:.0f} MB"
             ratio = curve["over_one_token"].get("64")
             lines.append(f"| {curve['shape']} | {curve['dtype']} | {cap} | " + " | ".join(cells)
                          + f" | {curve['flat_tokens']} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+        lines.append("")
+    for row in report.get("forward", []):
+        if "not_run" in row:
+            lines.append(f"- {row['shape']} {row['dtype']}: not run; the library says: {row['not_run']}")
+    if any("not_run" in row for row in report.get("forward", [])):
         lines.append("")
     e2e = report.get("end_to_end")
     if e2e and "methods" in e2e:
@@ -349,8 +463,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {method} | {m['tokens_per_second']:.2f} | {m['median_prompt_tokens_per_second']:.2f} | "
                          f"{'' if per is None else f'{per:.2f}'} | {'' if draft is None else f'{draft:.3f}'} | "
                          f"{m['all_equal_plain_greedy']} |")
-        lines += ["", "## Goals", ""] + [f"- {name}: {value:.2f}" for name, value in report.get("goals", {}).items()]
         lines.append("")
+    if report.get("goals"):
+        lines += ["## Goals", ""] + [f"- {name}: {value:.2f}" for name, value in report["goals"].items()] + [""]
     if report.get("projections"):
         lines += ["## Projected tokens/s for larger shapes (measured forward curve + the real pair's steps)", ""]
         for projection in report["projections"]:
@@ -369,7 +484,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 4))
-    for curve in report.get("forward", []):
+    for curve in (curve for curve in report.get("forward", []) if "seconds" in curve):
         points = sorted((int(n), r) for n, r in curve["over_one_token"].items())
         axis.plot([n for n, _ in points], [r for _, r in points], marker="o", label=f"{curve['shape']} {curve['dtype']}")
     axis.axhline(FLAT, color="grey", linestyle=":", label=f"{FLAT}x")
@@ -388,12 +503,14 @@ def save(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ssd.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "ssd.md").write_text(markdown(report))
-    if report.get("forward"):
+    if any("seconds" in curve for curve in report.get("forward", [])):
         plot(report, out / "ssd.png")
 
 
 def run_section(report: dict[str, Any], name: str, out: Path, work: Callable[[], Any]) -> Any:
-    """Runs one section and saves; an error is recorded (and fails the run) instead of losing the others."""
+    """Runs one section and saves; an error is recorded (and fails the run) instead of losing the others. The
+    section's wall time goes to ``report["section_seconds"]``, for the run's length."""
+    started = time.perf_counter()
     try:
         return work()
     except Exception as error:
@@ -402,73 +519,134 @@ def run_section(report: dict[str, Any], name: str, out: Path, work: Callable[[],
         print(traceback.format_exc(), flush=True)
         return None
     finally:
+        report.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started, 1)
         save(report, out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def prefetch_value(text: str) -> int | str:
+    """``--prefetch``: a positive count of units read ahead, or ``auto`` (passed to ``load_offloaded`` as is)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--prefetch takes a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
+# --quick: every section, small (a tiny shape, one prompt, a few tokens): a smoke check in well under a minute.
+QUICK = {"prompts": 1, "max_new_tokens": 4, "budgets": ["8", "auto"], "assistant_tokens": [], "token_counts": [1, 4],
+         "repeats": 1, "bound_repeats": 1, "bound_min_bytes": 64 << 20, "shapes": ["tiny"]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--quick`` swaps in :data:`QUICK`'s defaults (options given still win)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="every section, small: a smoke check")
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--budgets", nargs="+", default=["8", "16", "32", "64", "128", "256", "auto"])
-    parser.add_argument("--assistant-tokens", type=int, nargs="*", default=[4, 8])
+    parser.add_argument("--assistant-tokens", type=int, nargs="*", default=[],
+                        help="HF assisted with constant chains of these lengths, besides its defaults")
     parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=["smollm2-1.7b"])
+    parser.add_argument("--repeats", type=int, default=3, help="forwards timed per token count (the median)")
+    parser.add_argument("--bound-repeats", type=int, default=2, help="cold reads for the bound (the best)")
+    parser.add_argument("--bound-min-bytes", type=int, default=2 * 10**9,
+                        help="a scratch file this long, for the buffered read and for the bound where every "
+                             "streamed file is shorter")
+    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=["smollm2-1.7b", "llama-8b"])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--shape-dir", type=Path, default=Path(tempfile.gettempdir()) / "specexec-ssd-shapes",
-                        help="where the random-weight checkpoints are written (kept for the next run)")
+                        help="where the random-weight checkpoints are written")
+    parser.add_argument("--keep-shapes", action="store_true",
+                        help="keep the random-weight checkpoints for the next run (else deleted once measured)")
     parser.add_argument("--cache-fraction", type=float, default=1 / 3,
                         help="memory above the process's own left for caching weights, as a share of the weights")
-    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
+                        help="units read ahead by the stream executor: a positive integer or 'auto'")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--sections", nargs="+", default=["bound", "forward", "end_to_end"],
                         choices=["bound", "forward", "end_to_end"])
     parser.add_argument("--no-cap", action="store_true", help="run without a memory cgroup (figures say so)")
+    quick = argparse.ArgumentParser(add_help=False)
+    quick.add_argument("--quick", action="store_true")
+    if quick.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
     args.budgets = [budget if budget == "auto" else int(budget) for budget in args.budgets]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     cap = None
     if not args.no_cap:
         reason = MemoryCap.unavailable()
         if reason:
-            parser.error(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
+            raise SystemExit(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
         cap = MemoryCap(f"specexec-ssd-{os.getpid()}")
         cap.join()
     report: dict[str, Any] = {"environment": {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
-        "cache_fraction": args.cache_fraction, "load_before": [round(x, 2) for x in os.getloadavg()],
+        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
+        "load_before": [round(x, 2) for x in os.getloadavg()],
         "command": " ".join([".venv/bin/python", "benchmarks/ssd.py", *(argv if argv is not None else sys.argv[1:])]),
     }, "notes": [], "forward": [], "projections": []}
+    written: list[Path] = []  # random-weight checkpoints and the scratch file, deleted at the end unless kept
+    started = time.perf_counter()
     try:
-        default_weights = target_cache_dir() / "model.safetensors"
         specexec_hf.load_default_target()  # converts the GGUF on first use
+        checkpoints = {DEFAULT_TARGET: target_cache_dir()}
+        shapes = {SHAPES[key].name: (SHAPES[key], args.shape_dir / f"{key}-bf16") for key in args.shapes
+                  if "forward" in args.sections and "bf16" in args.dtypes}
+        ensure_disk_space(args.shape_dir, args.bound_min_bytes * ("bound" in args.sections) + sum(
+            shape.parameter_bytes(torch.bfloat16) for shape, where in shapes.values()
+            if not (where / "model.safetensors").is_file()))
+        for label, (shape, where) in shapes.items():
+            print(f"writing {label} bf16 to {where}", flush=True)
+            written.append(where)
+            if run_section(report, f"write {label}", args.out,
+                           lambda: write_random_checkpoint(shape, torch.bfloat16, where)):
+                checkpoints[label] = where
         bound_gbps = 0.0
         if "bound" in args.sections:
-            report["bound"] = run_section(report, "bound", args.out, lambda: bound(default_weights, args.repeats))
+            scratch = args.shape_dir / "bound-scratch.bin"
+            written.append(scratch)
+            streamed = [checkpoint / "model.safetensors" for checkpoint in checkpoints.values()]
+            report["bound"] = run_section(report, "bound", args.out, lambda: bound(
+                streamed, args.bound_repeats, write_scratch_file(scratch, args.bound_min_bytes)))
             bound_gbps = (report["bound"] or {}).get("direct_gbps", 0.0)
         if "forward" in args.sections:
-            checkpoints = {"SmolLM2-135M (default target)": target_cache_dir()}
-            for key in args.shapes:
-                checkpoints[SHAPES[key].name] = write_random_checkpoint(
-                    SHAPES[key], torch.bfloat16, args.shape_dir / f"{key}-bf16")
-                # Its dirty pages are charged to this process's group: evicted, they do not inflate the next cap.
-                evict(checkpoints[SHAPES[key].name] / "model.safetensors")
             for label, checkpoint in checkpoints.items():
                 curve = run_section(report, f"forward {label}", args.out, lambda: forward_curve(
                     checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps))
                 if curve:
                     report["forward"].append(curve)
+                if checkpoint in written and not args.keep_shapes:
+                    shutil.rmtree(checkpoint)
+            if "int4" in args.dtypes:
+                labels = [SHAPES[key].name for key in args.shapes]
+                report["forward"] += run_section(report, "forward int4", args.out,
+                                                 lambda: int4_rows(labels, args.prefetch)) or []
+        report["goals"] = goals(report)
         if "end_to_end" in args.sections:
             report["end_to_end"] = run_section(report, "end to end", args.out, lambda: end_to_end(args, cap))
             report["goals"] = goals(report)
             if report["end_to_end"]:
                 report["projections"] = [project(curve, report["end_to_end"]) for curve in report["forward"]
-                                         if not curve["shape"].startswith("SmolLM2-135M")]
+                                         if "seconds" in curve and curve["shape"] != DEFAULT_TARGET]
     finally:
         if cap is not None:
             cap.leave()
+        if not args.keep_shapes:
+            for path in written:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
         report["environment"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+        report["environment"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
         save(report, args.out)
     print(markdown(report), flush=True)
     differs = [name for name, entry in (report.get("end_to_end") or {}).get("methods", {}).items()

@@ -1,7 +1,11 @@
-"""benchmarks/ssd.py's parts that need no root and no memory cap: the random checkpoint it writes one tensor at a
-time, and the goals and projections it computes from measured rows."""
+"""benchmarks/ssd.py without root or a memory cap: the random checkpoint it writes one tensor at a time, the bound's
+file, the goals and projections it computes from measured rows, its arguments, and a --quick --no-cap run of
+every section."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -52,3 +56,63 @@ def test_goals_and_projection_from_measured_rows():
     assert projection["tokens_per_second"]["plain generate"] == 0.5
     assert projection["tokens_per_second"]["SpecExec budget 16"] == pytest.approx(4 / (2.0 + 0.5 * 16 / 63 + 0.1))
     assert "SpecExec budget auto" not in projection["tokens_per_second"]  # no fixed forward size to project
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_section_and_deletes_its_shapes(tmp_path):
+    """The smoke path: every section, small (the real default pair end to end, so marked slow)."""
+    out, shapes = tmp_path / "out", tmp_path / "shapes"
+    assert ssd.main(["--quick", "--no-cap", "--threads", "1", "--out", str(out), "--shape-dir", str(shapes)]) == 0
+    report = json.loads((out / "ssd.json").read_text())
+    assert {path.name for path in out.iterdir()} == {"ssd.json", "ssd.md", "ssd.png"}
+    assert report["bound"]["direct_gbps"] > 0 and report["bound"]["bytes"] >= ssd.QUICK["bound_min_bytes"]
+    measured = {row["shape"]: row for row in report["forward"] if "seconds" in row}
+    assert set(measured) == {ssd.DEFAULT_TARGET, "tiny Llama"}
+    assert all(set(row["seconds"]) == {"1", "4"} and row["share_of_bound"]["1"] > 0 for row in measured.values())
+    [int4] = [row for row in report["forward"] if "not_run" in row]
+    assert int4["dtype"] == "int4" and "disk" in int4["not_run"]  # the library's own refusal, quoted
+    assert all(method["all_equal_plain_greedy"] for method in report["end_to_end"]["methods"].values())
+    assert "SpecExec budget auto" in report["end_to_end"]["methods"]
+    assert os.listdir(shapes) == []  # the tiny checkpoint and the bound's scratch file are gone
+
+
+def test_bound_reads_the_longest_file_and_the_scratch_file_buffered(tmp_path):
+    short, long = tmp_path / "short.bin", tmp_path / "long.bin"
+    short.write_bytes(os.urandom(1 << 20))
+    long.write_bytes(os.urandom(3 << 20))
+    scratch = ssd.write_scratch_file(tmp_path / "scratch.bin", 2 << 20)
+    assert scratch.stat().st_size == 2 << 20
+    result = ssd.bound([short, long], 1, scratch)
+    assert result["file"] == str(long) and result["bytes"] == 3 << 20 and result["direct_gbps"] > 0
+    assert result["buffered_bytes"] == 2 << 20
+    assert ssd.bound([short], 1, scratch)["file"] == str(scratch)  # every streamed file shorter than the scratch
+
+
+def test_forward_goals_name_the_largest_weights_over_cap_and_whether_it_stayed_within():
+    def row(shape, over, peak, limit=1000, seconds=None):
+        seconds = seconds or {"1": 1.0, "64": 1.2}
+        return {"shape": shape, "dtype": "bfloat16", "capped": True, "weights_over_limit": over, "peak_bytes": peak,
+                "limit_bytes": limit, "within_limit": peak <= limit, "seconds": seconds,
+                "share_of_bound": {"1": 0.9}, "over_one_token": {n: s / seconds["1"] for n, s in seconds.items()},
+                "flat_tokens": 64}
+
+    curves = [row(ssd.DEFAULT_TARGET, 0.7, 900), row("SmolLM2-1.7B", 2.6, 1001e6, limit=1000e6),
+              {"shape": "SmolLM2-1.7B", "dtype": "int4", "not_run": "refused"}]
+    goals = ssd.forward_goals(curves)
+    assert goals[f"{ssd.DEFAULT_TARGET}: 64-token forward / 1-token forward (goal <= 1.5)"] == pytest.approx(1.2)
+    assert goals["SmolLM2-1.7B: flat up to tokens (goal >= 32)"] == 64
+    assert goals["SmolLM2-1.7B: 1-token forward's share of the bound (goal >= 0.85)"] == 0.9
+    [cap] = [name for name in goals if "weights over the cap" in name]
+    assert cap.startswith("SmolLM2-1.7B bfloat16") and "OVER the 1000 MB cap" in cap and goals[cap] == 2.6
+
+
+def test_arguments_quick_defaults_and_prefetch(capsys):
+    args = ssd.parse_args(["--quick", "--prompts", "3"])
+    assert (args.prompts, args.shapes, args.budgets) == (3, ["tiny"], [8, "auto"])  # given options win
+    assert ssd.parse_args(["--prefetch", "auto"]).prefetch == "auto"
+    assert ssd.parse_args(["--prefetch", "2"]).prefetch == 2
+    assert ssd.parse_args([]).prefetch == ssd.prefetch_value(ssd.DEFAULT_PREFETCH)
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            ssd.parse_args(["--prefetch", bad])
+        assert "--prefetch takes a positive integer or 'auto'" in capsys.readouterr().err
