@@ -351,8 +351,9 @@ class SequoiaSearch(StaticTreeSearch):
         return TreeShape.from_nodes(parents, ranks)
 
 
-PRIOR_ACCEPTANCE = tuple(0.5 ** (rank + 1) for rank in range(8))
-"""Sequoia's acceptance vector before anything is measured: each rank half as likely as the one before."""
+PRIOR_ACCEPTANCE = tuple(0.5 ** (rank + 1) for rank in range(16))
+"""Sequoia's acceptance vector before anything is measured: each rank half as likely as the one before, over the
+16 ranks SpecExec considers per node by default (``max_branch``), as ``budget="auto"``'s acceptance profile starts."""
 
 register_tree_policy("sequoia", SequoiaSearch)
 
