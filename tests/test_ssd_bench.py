@@ -52,6 +52,9 @@ def test_goals_and_projection_from_measured_rows():
     assert goals["SpecExec budget 16 vs the best HF assisted (goal >= 1.4)"] == pytest.approx(2.0)
     assert goals["SpecExec auto vs the best fixed budget (goal >= 0.95)"] == pytest.approx(0.8)
     assert goals["SpecExec budget 16: wall-clock speedup / tokens per target forward (goal >= 0.8)"] == 1.0
+    capped = ssd.goals({"end_to_end": {"methods": methods, "peak_bytes": 900, "limit_bytes": 1000}})
+    assert capped["end to end: peak memory (process plus page cache) / the cap (goal <= 1)"] == 0.9
+    assert ssd.goals({"end_to_end": None, "forward": []}) == {}  # a failed section leaves no goal, and no crash
     projection = ssd.project({"shape": "big", "seconds": {"1": 2.0, "64": 2.5}}, {"methods": methods})
     assert projection["tokens_per_second"]["plain generate"] == 0.5
     assert projection["tokens_per_second"]["SpecExec budget 16"] == pytest.approx(4 / (2.0 + 0.5 * 16 / 63 + 0.1))
