@@ -5,27 +5,40 @@ the tokenizer and the vocabulary by construction and agrees with the target far 
 model would. It pays only where the quantized forward is much cheaper than the target's: a target offloaded to
 host memory or disk, with the self-draft resident on the accelerator, is the case it is made for. On a CPU,
 quanto's kernels dequantize the weights on every forward and the self-draft is slower than an in-memory target.
+
+A layer self-draft is the target's own decoder layers, a subset of them, between its embedding and its final norm
+and LM head: ``"self:exit:K"`` runs the first ``K`` layers (LayerSkip's early exit), ``"self:skip:10-20"`` runs all
+but the named ones (S3D's skipped middle layers). It shares the target's modules, so it costs no memory beyond its
+own KV cache, and when the target is offloaded its default layers are the ones resident in fast memory, so it
+drafts without streaming a weight.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from .compat import execution_device, use_sdpa_attention
 
 SELF_DRAFTS = {"self:int4": 4, "self:int8": 8}
-"""The draft names :func:`resolve_draft` accepts, with their weight bits."""
+"""The quantized self-drafts' names :func:`resolve_draft` accepts, with their weight bits."""
+LAYER_SELF_DRAFTS = ("self:exit", "self:skip")
+"""The layer self-drafts' name prefixes :func:`resolve_draft` accepts: ``"self:exit:K"``, ``"self:skip:<layers>"``, or
+the bare prefix for the default layers (see :func:`default_layer_spec`)."""
 SELF_DRAFT_ATTRIBUTE = "specexec_self_draft"
-"""Attribute of a self-draft's ``config`` naming what it is (``"self:int4"``, ``"self:int8"``)."""
+"""Attribute of a self-draft's ``config`` naming what it is (``"self:int4"``, ``"self:exit:15"``, ...)."""
 
 _QUANTO_HINT = "pip install 'specexec-hf[quanto]' (or pip install optimum-quanto)"
-# Per target, its self-drafts by bits: built once, so their online acceptance maps carry over between calls.
-_built: weakref.WeakKeyDictionary[PreTrainedModel, dict[int, PreTrainedModel]] = weakref.WeakKeyDictionary()
+# Per target, its self-drafts by name: built once, so their online acceptance maps carry over between calls.
+_built: weakref.WeakKeyDictionary[PreTrainedModel, dict[str, PreTrainedModel]] = weakref.WeakKeyDictionary()
 
 
 def self_draft(target: PreTrainedModel, bits: int = 4, device: torch.device | str | None = None) -> PreTrainedModel:
@@ -64,27 +77,287 @@ def self_draft(target: PreTrainedModel, bits: int = 4, device: torch.device | st
     return use_sdpa_attention(draft.to(destination)).eval()
 
 
-def resolve_draft(target: PreTrainedModel, draft: PreTrainedModel | str) -> PreTrainedModel:
-    """The draft model ``draft`` names for ``target``: a model as given, or ``"self:int4"`` / ``"self:int8"``.
+class _LayerCacheView:
+    """The draft's KV cache as one shared decoder layer writes to it: the layer's attention names its index in the
+    target, and its keys and values land in the draft's layer ``index`` instead (the draft's cache holds only its
+    own layers, so that its length is the first of them's)."""
 
-    A self-draft is built once per target and bits and reused afterwards (see :func:`self_draft`).
+    def __init__(self, cache: Any, index: int):
+        self._cache, self._index = cache, index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._index, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+# How decoder layers name the KV cache they are given, across transformers' model families.
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+class _SharedLayer(nn.Module):
+    """One of the target's decoder layers, not copied, as the draft's layer ``index``.
+
+    Attributes the model's forward reads from its layers (``attention_type``) are the target layer's.
+    """
+
+    def __init__(self, layer: nn.Module, index: int):
+        super().__init__()
+        self.layer, self.index = layer, index
+        self._signature = inspect.signature(layer.forward)
+
+    def forward(self, *args, **kwargs):
+        # The cache may come by keyword or by position, depending on the family.
+        bound = self._signature.bind_partial(*args, **kwargs)
+        for name in _CACHE_ARGUMENTS:
+            if bound.arguments.get(name) is not None:
+                bound.arguments[name] = _LayerCacheView(bound.arguments[name], self.index)
+        return self.layer(*bound.args, **bound.kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__["_modules"].get("layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
+
+
+def _decoder_layers(target: PreTrainedModel) -> tuple[str, nn.ModuleList]:
+    """The attribute of ``target.base_model`` holding its decoder layers, and those layers.
+
+    Raises:
+        ValueError: ``target`` is not a decoder-only causal LM with a list of decoder layers.
+    """
+    config = target.config
+    base = target.base_model
+    count = getattr(config, "num_hidden_layers", None)
+    if not getattr(config, "is_encoder_decoder", False) and base is not target and count:
+        for name, child in base.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == count:
+                return name, child
+    raise ValueError(
+        f"A layer self-draft ('self:exit:K', 'self:skip:...') runs some of a decoder-only causal LM's decoder layers, "
+        f"but {type(target).__name__} has no list of num_hidden_layers decoder layers under its base model: pass a "
+        "separate draft model, or 'self:int4' / 'self:int8'."
+    )
+
+
+def resident_layers(target: PreTrainedModel) -> list[bool]:
+    """Per decoder layer of ``target``, whether its weights sit in fast memory, so that running it reads no weight.
+
+    Fast memory is the execution device's (:func:`~.compat.execution_device`): for a target dispatched by accelerate
+    or the streaming executors, a layer is resident when its ``hf_device_map`` placement is an accelerator, or
+    ``"cpu"`` where the target computes on the CPU; ``"disk"`` never is, nor is host memory under an accelerator
+    (streamed to it on every forward). A layer the map does not place is resident unless its weights are offloaded
+    (left on the meta device). A target in memory has every layer resident.
+
+    Args:
+        target: The target, in memory or offloaded.
+    """
+    _, layers = _decoder_layers(target)
+    device_map = getattr(target, "hf_device_map", None) or {}
+    computes_on_cpu = execution_device(target).type == "cpu"
+    names = {id(module): name for name, module in target.named_modules()}
+
+    def placement(name: str) -> Any:
+        covering = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
+        return device_map[max(covering, key=len)] if covering else None
+
+    def resident(layer: nn.Module) -> bool:
+        where = placement(names[id(layer)])
+        if where is None:
+            return not any(parameter.is_meta for parameter in layer.parameters())
+        return where != "disk" and (where != "cpu" or computes_on_cpu)
+
+    return [resident(layer) for layer in layers]
+
+
+def default_layer_spec(target: PreTrainedModel, kind: str) -> list[int]:
+    """The layers ``"self:exit"`` / ``"self:skip"`` without a spec run.
+
+    An offloaded target (some layer not :func:`resident_layers`): ``exit`` runs the longest run of resident layers
+    from the first one, ``skip`` skips every layer that is not resident; either way the draft reads no layer weight
+    (the embedding, final norm and LM head are the target's, wherever they are placed). A target in memory: ``exit``
+    runs the first half of its layers, ``skip`` skips the middle half.
+
+    Args:
+        target: The target.
+        kind: ``"exit"`` or ``"skip"``.
+
+    Raises:
+        ValueError: The target is offloaded and its first layer (``exit``) or every layer (``skip``) is not resident.
+    """
+    resident = resident_layers(target)
+    count = len(resident)
+    if all(resident):
+        half = max(1, count // 2)
+        kept = range(half) if kind == "exit" else [*range(half - half // 2), *range(count - half // 2, count)]
+    elif kind == "exit":
+        kept = range(resident.index(False))
+    else:
+        kept = [i for i, is_resident in enumerate(resident) if is_resident]
+    if not kept:
+        where = "starting from the first" if kind == "exit" else "at all"
+        raise ValueError(
+            f"'self:{kind}' runs the target's decoder layers held in fast memory, but none is ({where}; the target "
+            f"has {count}): name the layers, e.g. 'self:exit:{max(1, count // 4)}' (they are then streamed for every "
+            "draft forward, as for the target), or pass a separate draft model."
+        )
+    return list(kept)
+
+
+def _parse_layers(spec: str, count: int, name: str) -> list[int]:
+    """The decoder layers ``spec`` (``"3"``, ``"10-20"``, ``"0,2,5-7"``; ranges inclusive) names, sorted, unique."""
+    layers: set[int] = set()
+    for part in spec.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high if dash else low)
+        except ValueError:
+            raise ValueError(
+                f"{name!r}: {part.strip()!r} is not a layer index or an inclusive range like '10-20'; write e.g. "
+                f"'self:skip:{count // 4}-{count - count // 4 - 1}' or 'self:skip:1,3,5'."
+            ) from None
+        if not 0 <= first <= last < count:
+            raise ValueError(
+                f"{name!r}: layers {part.strip()!r} are outside 0-{count - 1} (the target has {count} decoder layers) "
+                "or the range is reversed; name layers from 0 to num_hidden_layers - 1, ranges low-high."
+            )
+        layers.update(range(first, last + 1))
+    return sorted(layers)
+
+
+def _spans(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``"0-2,5,7-8"``."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in spans)
+
+
+def layer_spec(target: PreTrainedModel, name: str) -> tuple[str, list[int]]:
+    """The layers a layer self-draft's name runs, and the name in its canonical form (``"self:exit:15"``,
+    ``"self:skip:10-20"``), checked against ``target`` before anything is built.
+
+    Args:
+        target: The target.
+        name: ``"self:exit"`` / ``"self:skip"`` (:func:`default_layer_spec`), ``"self:exit:K"`` (the first ``K``
+            layers, ``1 <= K <= num_hidden_layers``) or ``"self:skip:<layers>"`` (all layers but those listed:
+            indices and inclusive ranges, comma-separated, leaving at least one layer).
+
+    Raises:
+        ValueError: A malformed name, ``K`` out of range, an empty skip list or one that skips every layer, or a
+            target without decoder layers.
+    """
+    _, kind, *spec = name.split(":", 2)
+    count = len(_decoder_layers(target)[1])
+    if not spec:
+        layers = default_layer_spec(target, kind)
+    elif kind == "exit":
+        if not spec[0].strip().isdigit() or not 1 <= int(spec[0]) <= count:
+            raise ValueError(
+                f"{name!r}: K must be a whole number of layers from 1 to {count} (the target's decoder layers), e.g. "
+                f"'self:exit:{count // 2}'."
+            )
+        layers = list(range(int(spec[0])))
+    else:
+        if not spec[0].strip():
+            raise ValueError(
+                f"{name!r} names no layer to skip: list them, e.g. 'self:skip:{count // 4}-{count - count // 4 - 1}' "
+                "(inclusive ranges and indices, comma-separated), or write 'self:skip' for the default set."
+            )
+        skipped = _parse_layers(spec[0], count, name)
+        layers = [i for i in range(count) if i not in skipped]
+        if not layers:
+            raise ValueError(
+                f"{name!r} skips all {count} decoder layers: leave at least one, e.g. 'self:skip:1-{count - 1}'."
+            )
+    if kind == "exit":
+        return f"self:exit:{len(layers)}", layers
+    return f"self:skip:{_spans([i for i in range(count) if i not in layers])}", layers
+
+
+def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str | None = None) -> PreTrainedModel:
+    """A draft made of ``target``'s decoder ``layers``, in order, between its embedding and its final norm and LM head.
+
+    The draft shares the target's modules (no weight is copied, nothing is allocated beyond an empty model shell) and
+    keeps its own KV cache, whose layer ``j`` is ``layers[j]``'s. It runs those modules where they are: for an
+    offloaded target, a layer that is not resident (:func:`resident_layers`) is streamed in for every draft forward
+    exactly as for a target forward (a disk read where it is placed on disk), and so are the embedding, final norm
+    and LM head if they are not resident; the default layers (:func:`default_layer_spec`) avoid that for the layers.
+
+    Args:
+        target: A decoder-only causal LM, in memory or offloaded.
+        layers: Indices of the decoder layers to run, ascending, unique, at least one.
+        name: What the draft is called (its ``config``'s :data:`SELF_DRAFT_ATTRIBUTE`); default from ``layers``.
+
+    Raises:
+        ValueError: ``target`` has no decoder layers, or ``layers`` is empty, unsorted or out of range.
+    """
+    layers_attribute, target_layers = _decoder_layers(target)
+    count = len(target_layers)
+    if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < count:
+        raise ValueError(
+            f"layers must be ascending unique decoder-layer indices from 0 to {count - 1}, at least one; got {layers!r}."
+        )
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in layers]
+    setattr(config, SELF_DRAFT_ATTRIBUTE, name or f"self:layers:{_spans(layers)}")
+    with torch.device("meta"):
+        draft = type(target)(config)
+    base = target.base_model
+    for child_name, child in target.named_children():
+        if child is not base:
+            setattr(draft, child_name, child)
+    for child_name, child in base.named_children():
+        if child_name == layers_attribute:
+            child = nn.ModuleList(_SharedLayer(target_layers[i], j) for j, i in enumerate(layers))
+        setattr(draft.base_model, child_name, child)
+    owned = {id(tensor) for tensor in (*target.parameters(), *target.buffers())}
+    if any(id(tensor) not in owned for tensor in (*draft.parameters(), *draft.buffers())):
+        raise ValueError(
+            f"{type(target).__name__} keeps weights outside its decoder's submodules, which a layer self-draft cannot "
+            "share: pass a separate draft model, or 'self:int4' / 'self:int8'."
+        )
+    return draft.eval()
+
+
+def resolve_draft(target: PreTrainedModel, draft: PreTrainedModel | str) -> PreTrainedModel:
+    """The draft model ``draft`` names for ``target``: a model as given, or a self-draft by name.
+
+    Self-drafts: ``"self:int4"`` / ``"self:int8"`` (the target quantized, :func:`self_draft`), ``"self:exit:K"`` /
+    ``"self:skip:<layers>"`` / ``"self:exit"`` / ``"self:skip"`` (the target's own layers, :func:`layer_spec`,
+    :func:`layer_self_draft`). Each is built once per target and name and reused afterwards.
 
     Args:
         target: The target model.
         draft: A causal LM sharing the target's tokenizer, or the name of a self-draft.
 
     Raises:
-        ValueError: ``draft`` is a string other than the self-draft names, or neither a model nor a string.
+        ValueError: ``draft`` is a string other than the self-draft names, a malformed layer spec, or neither a
+            model nor a string.
     """
     if isinstance(draft, PreTrainedModel):
         return draft
-    if not isinstance(draft, str) or draft not in SELF_DRAFTS:
+    is_layer_draft = isinstance(draft, str) and any(
+        draft == prefix or draft.startswith(prefix + ":") for prefix in LAYER_SELF_DRAFTS
+    )
+    if not isinstance(draft, str) or not (draft in SELF_DRAFTS or is_layer_draft):
         raise ValueError(
             f"The draft must be a causal LM sharing the target's tokenizer or one of {sorted(SELF_DRAFTS)} (the "
-            f"target itself, weight-quantized), got {draft!r}."
+            "target itself, weight-quantized), 'self:exit:K' (its first K layers) or 'self:skip:<layers>' (all its "
+            f"layers but those, e.g. 'self:skip:10-20'), got {draft!r}."
         )
-    bits = SELF_DRAFTS[draft]
-    by_bits = _built.setdefault(target, {})
-    if bits not in by_bits:
-        by_bits[bits] = self_draft(target, bits)
-    return by_bits[bits]
+    name, layers = layer_spec(target, draft) if is_layer_draft else (draft, None)
+    built = _built.setdefault(target, {})
+    if name not in built:
+        built[name] = self_draft(target, SELF_DRAFTS[name]) if layers is None else layer_self_draft(target, layers, name)
+    return built[name]
