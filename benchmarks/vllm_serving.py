@@ -1,17 +1,28 @@
 """Serving throughput of ``vllm serve``: SpecExec tree verification beside vLLM's ``draft_model`` and no speculation.
 
-For each method the script starts one ``vllm serve`` subprocess on 127.0.0.1 (``--max-num-seqs`` = the
-concurrency, its log under the output folder), waits for ``/health``, sends one warm-up completion, then
-``--requests`` greedy completions (``ignore_eos``, ``--max-tokens`` each, prompts cycled from ``PROMPTS``) from
-``--concurrency`` client threads, and shuts the server down. Per method it records the request phase's wall
-seconds, completion tokens and output tokens per second, per-request latencies, and from ``/metrics`` the growth of
-vLLM's speculative-decoding counters during the request phase, giving tokens per target step
-(``1 + accepted / drafts``: each verification forward commits the accepted tokens plus one of the target's own;
-vLLM counts accepted tokens before cutting a request at ``max_tokens``, so ``delivered_tokens_per_step`` gives the
-count from the tokens the clients received).
+For each concurrency in ``--concurrency`` and each method the script starts one ``vllm serve`` subprocess on
+127.0.0.1 (``--max-num-seqs`` = the concurrency, its log under the output folder), waits for ``/health``, sends one
+warm-up completion, then ``--requests`` greedy streamed completions (``ignore_eos``, ``--max-tokens`` each, prompts
+cycled from ``PROMPTS``, so later requests hit the prefix cache) from that many client threads, and shuts the
+server down. Per configuration it records the request phase's wall seconds, completion tokens, output tokens per
+second, per-request latency, time to first token and time per output token (after the first), and from
+``/metrics`` the growth of vLLM's speculative-decoding counters during the request phase, giving tokens per target
+step (``1 + accepted / drafts``: each verification forward commits the accepted tokens plus one of the target's
+own; vLLM counts accepted tokens before cutting a request at ``max_tokens``, so ``delivered_tokens_per_step``
+gives the count from the tokens the clients received).
 Methods: ``none``; ``draft_model`` (vLLM's draft-model chains, ``-k`` tokens); ``specexec_tree`` once per
-``--budgets`` entry (this library's proposer with ``tree_verification``, ``num_speculative_tokens`` = the budget).
-Every method's texts must equal the ``none`` server's (greedy): ``outputs_equal_none`` records it.
+``--budgets`` entry, the tree nodes of one engine step for the whole batch (``step_budget``; each request grows its
+tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut). Every
+configuration's texts must equal the ``none`` server's at the same concurrency (greedy): ``outputs_equal_none``.
+
+``--offload FOLDER`` streams every server's target from disk (``SPECEXEC_OFFLOAD``: the proposer's switch for
+``specexec_tree``, the ``specexec_offload`` plugin for ``none`` and ``draft_model``). ``--cache-fraction F`` (root,
+cgroup v1, as ``memory_cap.py``) then runs each server in its own memory cgroup and, after the warm-up, caps it at
+the anonymous and file-mapped memory it uses then plus ``F`` of the target's checkpoint bytes: page cache and
+process memory together cannot hold the target. The cgroup's memory is sampled as requests finish
+(``memory.samples``). ``--disconnects N`` then opens ``N`` streamed requests, drops each connection after its first
+token, and checks that the server drains them (no request left running or waiting) and still answers the first
+prompt with the text it gave before. The JSON and a markdown table are rewritten after every configuration.
 
 Models as in ``vllm_acceptance.py``: ``--default-pair`` (SmolLM2-135M-Instruct and the shipped draft),
 ``--target``/``--draft``, else the synthetic tiny pair of ``synthetic_models.py``, so it runs anywhere vLLM does.
@@ -22,13 +33,14 @@ one core for the server's front-end processes and computes on the other, one thr
 The tiny pair's figures measure overheads, not speed-ups.
 
     python benchmarks/vllm_serving.py --output runs/vllm_serving.json
-    python benchmarks/vllm_serving.py --default-pair --requests 16 --concurrency 4 --budgets 64 128 \\
-        --output runs/vllm_serving_smollm2.json
+    python benchmarks/vllm_serving.py --default-pair --requests 16 --concurrency 1 8 --budgets 16 64 \\
+        --offload /var/tmp/offload --cache-fraction 0.33 --disconnects 2 --output runs/vllm_serving_offload.json
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -38,14 +50,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memory_cap import MemoryCap
 from synthetic_models import make_tiny_pair
 from vllm_acceptance import speculative_config
 
@@ -61,6 +75,7 @@ PROMPTS = [
 ]
 # Not one of PROMPTS, so the measured requests find no prefix-cache blocks the warm-up left behind.
 WARMUP_PROMPT = "User: Hello! How are you today?\nAssistant:"
+WARMUP_TOKENS = 16  # at most: enough to run prefill, drafting and verification once each
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
@@ -81,23 +96,54 @@ sys.argv[0] = "vllm"
 main()
 """
 LOG_TAIL_CHARS = 4000
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 @dataclass
 class RequestResult:
-    """One completion request of the measured phase.
+    """One streamed completion request of the measured phase.
 
     Args:
         prompt_index: Index into ``PROMPTS``.
         latency_s: Wall seconds from sending the request to reading the whole response.
+        first_token_s: Wall seconds from sending the request to its first streamed text.
         completion_tokens: The response's ``usage.completion_tokens``.
-        text: The completion text.
+        text: The completion text (the streamed pieces joined).
     """
 
     prompt_index: int
     latency_s: float
+    first_token_s: float
     completion_tokens: int
     text: str
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """Seconds per output token after the first (the whole latency for a one-token request)."""
+        if self.completion_tokens <= 1:
+            return self.latency_s
+        return (self.latency_s - self.first_token_s) / (self.completion_tokens - 1)
+
+
+@dataclass
+class MemoryFigures:
+    """One server's memory cgroup: its cap and what was charged to it.
+
+    Args:
+        weights_bytes: The target checkpoint's bytes (its ``*.safetensors`` files).
+        held_bytes: Anonymous plus file-mapped memory charged after the warm-up, before the cap.
+        limit_bytes: The cap: ``held_bytes`` plus ``--cache-fraction`` of ``weights_bytes``.
+        peak_bytes: The most bytes charged during the request phase (process memory plus page cache).
+        cap_hits: How often the group hit the cap (each one a reclaim) during the request phase.
+        samples: ``[requests finished, anonymous bytes, bytes charged]`` after the warm-up and as requests finish.
+    """
+
+    weights_bytes: int
+    held_bytes: int
+    limit_bytes: int
+    peak_bytes: int = 0
+    cap_hits: int = 0
+    samples: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -106,7 +152,11 @@ class MethodResult:
 
     Args:
         method: ``"none"``, ``"draft_model"`` or ``"specexec_tree"``.
-        budget: Tree budget of ``specexec_tree``, else ``None``.
+        concurrency: Client threads, and the server's ``--max-num-seqs``.
+        budget: ``specexec_tree``'s tree nodes per engine step for the whole batch (``step_budget``), else
+            ``None``.
+        request_budget: ``specexec_tree``'s nodes per request tree before the step's cut
+            (``num_speculative_tokens``), else ``None``.
         k: Draft tokens per step of ``draft_model``, else ``None``.
         server_start_s: Seconds from starting ``vllm serve`` to a healthy ``/health``.
         wall_s: Wall seconds of the request phase (all requests, concurrently).
@@ -114,6 +164,8 @@ class MethodResult:
         output_tokens_per_s: ``completion_tokens / wall_s``.
         mean_latency_s: Mean request latency.
         median_latency_s: Median request latency.
+        mean_first_token_s: Mean time to a request's first streamed text.
+        mean_time_per_output_token_s: Mean over requests of the seconds per output token after the first.
         drafts: Growth of ``vllm:spec_decode_num_drafts_total`` during the request phase (verification steps with
             a proposal).
         draft_tokens: Growth of the proposed-token counter.
@@ -124,16 +176,21 @@ class MethodResult:
         delivered_tokens_per_step: ``(completion_tokens - requests) / drafts``: tokens the clients received per
             verification step, taking each request's first token as its prompt forward's and every later step as
             one with a proposal (``None`` without drafts).
-        outputs_equal_none: Whether every text equals the ``none`` server's for the same request (``None`` when
-            ``none`` was not run).
+        outputs_equal_none: Whether every text equals the ``none`` server's at the same concurrency for the same
+            request (``None`` when that server was not run).
+        requests_equal_none: How many texts equal it (``None`` likewise).
         log: The server's log file.
         worker_cores: The cores vLLM-CPU bound the worker's OpenMP threads to, one thread each, read from the log
             (``None`` where it logs none, as on GPUs).
+        memory: The server's memory cgroup figures (``None`` without ``--cache-fraction``).
+        disconnects: The disconnect check's figures (``None`` without ``--disconnects``).
         requests: Per-request results, in request order.
     """
 
     method: str
+    concurrency: int
     budget: int | None
+    request_budget: int | None
     k: int | None
     server_start_s: float
     wall_s: float
@@ -141,14 +198,19 @@ class MethodResult:
     output_tokens_per_s: float
     mean_latency_s: float
     median_latency_s: float
+    mean_first_token_s: float
+    mean_time_per_output_token_s: float
     drafts: int
     draft_tokens: int
     accepted_tokens: int
     tokens_per_target_step: float | None
     delivered_tokens_per_step: float | None
     outputs_equal_none: bool | None
+    requests_equal_none: int | None
     log: str
     worker_cores: list[int] | None
+    memory: MemoryFigures | None
+    disconnects: dict[str, Any] | None
     requests: list[RequestResult]
 
     @property
@@ -171,6 +233,14 @@ def log_tail(log: Path) -> str:
     return log.read_text(errors="replace")[-LOG_TAIL_CHARS:] if log.exists() else "(no log written)"
 
 
+def cgroup_stat(cap: MemoryCap, name: str) -> int:
+    """One hierarchical counter of the group's ``memory.stat`` (``total_rss``, ``total_mapped_file``, ...)."""
+    match = re.search(rf"^{name} (\d+)$", (cap.group / "memory.stat").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{cap.group}/memory.stat has no {name}: not a cgroup v1 memory group")
+    return int(match.group(1))
+
+
 class Server:
     """A ``vllm serve`` subprocess on 127.0.0.1, in its own process group, healthy once constructed.
 
@@ -180,21 +250,35 @@ class Server:
         extra_args: Further ``vllm serve`` arguments.
         env: The server's environment.
         start_timeout_s: Seconds to wait for ``/health`` before giving up.
+        cap: A memory group (already created) the server and every process it forks start in; ``None``: none.
     """
 
     def __init__(
-        self, target: str, log: Path, extra_args: list[str], env: dict[str, str], start_timeout_s: float
+        self,
+        target: str,
+        log: Path,
+        extra_args: list[str],
+        env: dict[str, str],
+        start_timeout_s: float,
+        cap: MemoryCap | None = None,
     ) -> None:
         self.model = target
         self.log = log
         self.port = free_port()
         command = [sys.executable, "-c", SERVE, "serve", target, "--host", "127.0.0.1", "--port", str(self.port),
                    *extra_args]  # fmt: skip
+        procs = None if cap is None else str(cap.group / "cgroup.procs")
         started = time.perf_counter()
         with open(log, "w") as log_file:
-            # Own session, so the shutdown signal reaches the engine-core process the server forks too.
+            # Own session, so the shutdown signal reaches the engine-core process the server forks too; the group
+            # is joined before exec, so every page the server touches is charged to it.
             self.process = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=None if procs is None else lambda: Path(procs).write_text(str(os.getpid())),
             )
         try:
             self._wait_healthy(start_timeout_s)
@@ -224,35 +308,69 @@ class Server:
                 pass
             time.sleep(2)
 
-    def complete(self, prompt: str, max_tokens: int, timeout_s: float) -> tuple[str, int, float]:
-        """Sends one greedy completion request; returns its text, completion tokens and latency in seconds.
+    def _request_body(self, prompt: str, max_tokens: int) -> bytes:
+        """A greedy streamed completion request of exactly ``max_tokens`` tokens, its usage in the last chunk."""
+        return json.dumps(
+            {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        ).encode()
+
+    def complete(self, prompt: str, max_tokens: int, timeout_s: float) -> tuple[str, int, float, float]:
+        """Sends one greedy streamed completion request and reads it to the end.
 
         Args:
             prompt: The prompt text.
             max_tokens: Tokens to generate (``ignore_eos``, so exactly this many).
-            timeout_s: Seconds to wait for the whole response.
+            timeout_s: Seconds to wait for each read of the response.
+
+        Returns:
+            The text, the completion tokens, the latency and the time to the first text, in seconds.
         """
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
-            data=json.dumps(body).encode(),
+            data=self._request_body(prompt, max_tokens),
             headers={"Content-Type": "application/json"},
         )
         started = time.perf_counter()
+        pieces: list[str] = []
+        first_token_s = None
+        tokens = 0
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                answer = json.loads(response.read())
+                for chunk in stream_chunks(response):
+                    text = chunk["choices"][0].get("text", "") if chunk.get("choices") else ""
+                    if text and first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    pieces.append(text)
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
         except urllib.error.HTTPError as error:  # the body says why; urllib's message alone does not
             raise RuntimeError(
                 f"completion request failed ({error.code}): {error.read().decode(errors='replace')}"
             ) from error
         latency = time.perf_counter() - started
-        return answer["choices"][0]["text"], int(answer["usage"]["completion_tokens"]), latency
+        return "".join(pieces), tokens, latency, latency if first_token_s is None else first_token_s
+
+    def open_and_drop(self, prompt: str, max_tokens: int, timeout_s: float) -> None:
+        """Starts a streamed completion, reads until its first text arrives, then closes the connection."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            body = self._request_body(prompt, max_tokens)
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            for chunk in stream_chunks(connection.getresponse()):
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    return
+        finally:
+            connection.close()
+
+    def metrics_page(self) -> str:
+        """The server's ``/metrics`` page."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=60) as response:
+            return response.read().decode()
 
     def spec_counters(self) -> dict[str, int]:
         """vLLM's cumulative speculative-decoding counters from ``/metrics`` (0 where absent, as without a draft)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=60) as response:
-            page = response.read().decode()
+        page = self.metrics_page()
         return {key: int(metric_total(page, name)) for key, name in SPEC_COUNTERS.items()}
 
     def stop(self) -> bool:
@@ -276,6 +394,21 @@ class Server:
         return True
 
 
+def stream_chunks(response: Any) -> Any:
+    """The JSON chunks of an OpenAI-style server-sent event stream, up to ``data: [DONE]``.
+
+    Args:
+        response: A readable HTTP response whose lines are the stream's.
+    """
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        yield json.loads(line.removeprefix("data: "))
+
+
 def metric_total(page: str, name: str) -> float:
     """Sum over all series of the Prometheus sample ``name`` on a ``/metrics`` page (0 when absent).
 
@@ -297,44 +430,158 @@ def worker_cores(log: Path) -> list[int] | None:
     return [int(core) for core in match.group(1).split(",") if core.strip()] if match else None
 
 
-def server_args(method: str, args: argparse.Namespace, draft: str, budget: int) -> list[str]:
-    """``vllm serve`` arguments for ``method``: the engine settings shared by all methods plus its speculation."""
+def request_budget(args: argparse.Namespace, budget: int) -> int:
+    """Nodes a request's tree grows to before the step's cut: the step's total, at most ``--request-budget``."""
+    return budget if args.request_budget is None else min(budget, args.request_budget)
+
+
+def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, concurrency: int) -> list[str]:
+    """``vllm serve`` arguments for ``method``: the engine settings shared by all methods plus its speculation;
+    ``specexec_tree``'s ``budget`` is the step's total (``step_budget``), shared best-first by the batch."""
     common = ["--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len),
-              "--max-num-seqs", str(args.concurrency), "--seed", "0"]  # fmt: skip
-    config = speculative_config(method, draft, args.k, budget, None)
-    return common if config is None else [*common, "--speculative-config", json.dumps(config)]
+              "--max-num-seqs", str(concurrency), "--seed", "0"]  # fmt: skip
+    tree = method == "specexec_tree"
+    config = speculative_config(method, draft, args.k, request_budget(args, budget) if tree else budget, None)
+    if config is None:
+        return common
+    if tree:
+        config["draft_load_config"]["model_loader_extra_config"]["specexec"]["step_budget"] = budget
+    return [*common, "--speculative-config", json.dumps(config)]
 
 
-def run_method(method: str, args: argparse.Namespace, target: str, draft: str, budget: int) -> MethodResult:
+def checkpoint_bytes(target: str) -> int:
+    """Bytes of the target's ``*.safetensors`` files (0 for a hub id not on disk)."""
+    folder = Path(target)
+    return sum(path.stat().st_size for path in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def cap_after_warmup(cap: MemoryCap, target: str, fraction: float) -> MemoryFigures:
+    """Caps the group at its anonymous and file-mapped memory now plus ``fraction`` of the target's checkpoint
+    bytes; the kernel drops every other cached page (the checkpoint read at load among them) at once."""
+    weights = checkpoint_bytes(target)
+    held = cgroup_stat(cap, "total_rss") + cgroup_stat(cap, "total_mapped_file")
+    figures = MemoryFigures(weights_bytes=weights, held_bytes=held, limit_bytes=held + int(fraction * weights))
+    cap.limit(figures.limit_bytes)
+    (cap.group / "memory.failcnt").write_text("0")
+    figures.samples.append([0, cgroup_stat(cap, "total_rss"), cap.usage()])
+    return figures
+
+
+def wait_idle(server: Server, timeout_s: float) -> float | None:
+    """Seconds until the server reports no request running or waiting; ``None`` if some still are after
+    ``timeout_s``."""
+    started = time.perf_counter()
+    while True:
+        page = server.metrics_page()
+        if sum(metric_total(page, name) for name in IDLE_GAUGES) == 0:
+            return round(time.perf_counter() - started, 2)
+        if time.perf_counter() - started > timeout_s:
+            return None
+        time.sleep(0.5)
+
+
+def disconnect_check(server: Server, args: argparse.Namespace, reference: str) -> dict[str, Any]:
+    """``--disconnects`` streamed requests dropped after their first token, all in flight together; then whether
+    the server drained them and still answers ``PROMPTS[0]`` with ``reference``."""
+    with ThreadPoolExecutor(args.disconnects) as pool:
+        list(pool.map(lambda i: server.open_and_drop(PROMPTS[i % len(PROMPTS)], args.max_tokens,
+                                                     args.request_timeout), range(args.disconnects)))  # fmt: skip
+    drained_s = wait_idle(server, args.request_timeout)
+    text, tokens, _, _ = server.complete(PROMPTS[0], args.max_tokens, args.request_timeout)
+    return {
+        "dropped": args.disconnects,
+        "drained_s": drained_s,
+        "next_request_tokens": tokens,
+        "next_request_equal": text == reference,
+    }
+
+
+def run_method(
+    method: str, args: argparse.Namespace, target: str, draft: str, budget: int, concurrency: int
+) -> MethodResult:
     """Starts one server for ``method``, warms it up, measures ``args.requests`` requests and stops it."""
     tree = method == "specexec_tree"
-    log = args.output.parent / f"{args.output.stem}_{method}{f'_b{budget}' if tree else ''}.log"
+    log = args.output.parent / f"{args.output.stem}_c{concurrency}_{method}{f'_b{budget}' if tree else ''}.log"
     env = {**os.environ}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves a large share of RAM
-    server = Server(target, log, server_args(method, args, draft, budget), env, args.start_timeout)
+    if args.offload is not None:
+        env["SPECEXEC_OFFLOAD"] = str(args.offload)
+    cap = None
+    if args.cache_fraction is not None:
+        cap = MemoryCap(f"vllm_serving_{os.getpid()}")
+        cap.group.mkdir(exist_ok=True)
     try:
-        server.complete(WARMUP_PROMPT, args.max_tokens, args.request_timeout)
-        before = server.spec_counters()
-        indices = [i % len(PROMPTS) for i in range(args.requests)]
-        started = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            answers = list(
-                pool.map(lambda i: server.complete(PROMPTS[i], args.max_tokens, args.request_timeout), indices)
-            )
-        wall_s = time.perf_counter() - started
-        after = server.spec_counters()
+        server = Server(target, log, server_args(method, args, draft, budget, concurrency), env,
+                        args.start_timeout, cap)  # fmt: skip
+        try:
+            result = measure(server, method, args, budget, concurrency, target, cap)
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        if cap is not None:
+            remove_group(cap)
+    return result
+
+
+def remove_group(cap: MemoryCap) -> None:
+    """Removes a memory group once its last process has gone (the kernel refuses while one remains)."""
+    for _ in range(60):
+        try:
+            cap.group.rmdir()
+            return
+        except OSError:
+            time.sleep(1)
+    print(f"could not remove {cap.group}: processes remain in it", file=sys.stderr)
+
+
+def measure(
+    server: Server,
+    method: str,
+    args: argparse.Namespace,
+    budget: int,
+    concurrency: int,
+    target: str,
+    cap: MemoryCap | None,
+) -> MethodResult:
+    """The warm-up, the cap, the measured request phase and the disconnect check on a healthy server."""
+    tree = method == "specexec_tree"
+    server.complete(WARMUP_PROMPT, min(args.max_tokens, WARMUP_TOKENS), args.request_timeout)
+    memory = None if cap is None else cap_after_warmup(cap, target, args.cache_fraction)
+    finished = 0
+    lock = threading.Lock()
+
+    def one_request(index: int) -> tuple[str, int, float, float]:
+        nonlocal finished
+        answer = server.complete(PROMPTS[index], args.max_tokens, args.request_timeout)
+        if memory is not None:
+            with lock:
+                finished += 1
+                memory.samples.append([finished, cgroup_stat(cap, "total_rss"), cap.usage()])
+        return answer
+
+    before = server.spec_counters()
+    indices = [i % len(PROMPTS) for i in range(args.requests)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(one_request, indices))
+    wall_s = time.perf_counter() - started
+    after = server.spec_counters()
+    if memory is not None:
+        memory.peak_bytes, memory.cap_hits = cap.peak(), cap.failures()
     requests = [
-        RequestResult(i, round(latency, 4), tokens, text) for i, (text, tokens, latency) in zip(indices, answers)
+        RequestResult(i, round(latency, 4), round(first, 4), tokens, text)
+        for i, (text, tokens, latency, first) in zip(indices, answers)
     ]
+    disconnects = disconnect_check(server, args, requests[0].text) if args.disconnects else None
     counters = {key: after[key] - before[key] for key in SPEC_COUNTERS}
     drafts = counters["drafts"]
     latencies = [r.latency_s for r in requests]
     tokens = sum(r.completion_tokens for r in requests)
     return MethodResult(
         method=method,
+        concurrency=concurrency,
         budget=budget if tree else None,
+        request_budget=request_budget(args, budget) if tree else None,
         k=args.k if method == "draft_model" else None,
         server_start_s=round(server.start_s, 2),
         wall_s=round(wall_s, 3),
@@ -342,35 +589,84 @@ def run_method(method: str, args: argparse.Namespace, target: str, draft: str, b
         output_tokens_per_s=round(tokens / wall_s, 2),
         mean_latency_s=round(statistics.mean(latencies), 3),
         median_latency_s=round(statistics.median(latencies), 3),
+        mean_first_token_s=round(statistics.mean(r.first_token_s for r in requests), 3),
+        mean_time_per_output_token_s=round(statistics.mean(r.time_per_output_token_s for r in requests), 4),
         drafts=drafts,
         draft_tokens=counters["draft_tokens"],
         accepted_tokens=counters["accepted_tokens"],
         tokens_per_target_step=round(1 + counters["accepted_tokens"] / drafts, 3) if drafts else None,
         delivered_tokens_per_step=round((tokens - len(requests)) / drafts, 3) if drafts else None,
         outputs_equal_none=None,
-        log=str(log),
-        worker_cores=worker_cores(log),
+        requests_equal_none=None,
+        log=str(server.log),
+        worker_cores=worker_cores(server.log),
+        memory=memory,
+        disconnects=disconnects,
         requests=requests,
     )
 
 
-def markdown_table(results: list[MethodResult]) -> str:
-    """Method, setting, throughput and its ratios to ``none`` and ``draft_model``, tokens per step, latency."""
+def compare_with_none(results: list[MethodResult]) -> None:
+    """Sets every result's ``outputs_equal_none`` and ``requests_equal_none`` from the ``none`` server's texts at
+    the same concurrency."""
+    for result in results:
+        none = next((r for r in results if r.method == "none" and r.concurrency == result.concurrency), None)
+        if none is not None:
+            equal = [a.text == b.text for a, b in zip(result.requests, none.requests)]
+            result.requests_equal_none = sum(equal)
+            result.outputs_equal_none = all(equal) and len(result.requests) == len(none.requests)
 
-    def ratio(result: MethodResult, baseline: MethodResult | None) -> str:
+
+def goals(results: list[MethodResult]) -> list[dict[str, Any]]:
+    """Issue 30's throughput goals as measured ratios: the best ``specexec_tree`` budget's output tok/s against
+    ``none`` and ``draft_model`` with one client, and against ``none`` with eight; only those measured."""
+
+    def best(method: str, concurrency: int) -> MethodResult | None:
+        runs = [r for r in results if r.method == method and r.concurrency == concurrency]
+        return max(runs, key=lambda r: r.output_tokens_per_s, default=None)
+
+    wanted = [(1, "none", 2.0), (1, "draft_model", 1.5), (8, "none", 1.3)]
+    measured = []
+    for concurrency, baseline_method, target_ratio in wanted:
+        tree, baseline = best("specexec_tree", concurrency), best(baseline_method, concurrency)
+        if tree is None or baseline is None:
+            continue
+        ratio = tree.output_tokens_per_s / baseline.output_tokens_per_s
+        measured.append({
+            "goal": f"{concurrency} client(s): trees >= {target_ratio}x {baseline_method}",
+            "best_tree_budget": tree.budget,
+            "ratio": round(ratio, 3),
+            "met": ratio >= target_ratio,
+        })  # fmt: skip
+    return measured
+
+
+def markdown_table(results: list[MethodResult]) -> str:
+    """Per concurrency and method: throughput and its ratios to ``none`` and ``draft_model``, time per output
+    token, tokens per step, latency, equality with ``none``, and the memory and disconnect figures when taken."""
+
+    def ratio(result: MethodResult, method: str) -> str:
+        baseline = next((r for r in results if r.method == method and r.concurrency == result.concurrency), None)
         return f"{result.output_tokens_per_s / baseline.output_tokens_per_s:.2f}x" if baseline else "-"
 
-    none = next((r for r in results if r.method == "none"), None)
-    draft_model = next((r for r in results if r.method == "draft_model"), None)
-    header = ["method", "budget / k", "output tok/s", "vs none", "vs draft_model", "tokens per target step",
-              "mean latency (s)", "outputs equal none"]  # fmt: skip
+    header = ["clients", "method", "budget / k", "output tok/s", "vs none", "vs draft_model",
+              "time per output token (s)", "tokens per target step", "delivered per step", "mean latency (s)",
+              "outputs equal none", "peak memory (MB) / cap", "disconnects drained (s)"]  # fmt: skip
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         step = f"{r.tokens_per_target_step:.2f}" if r.tokens_per_target_step is not None else "-"
-        equal = {True: "yes", False: "**no**", None: "-"}[r.outputs_equal_none]
+        delivered = f"{r.delivered_tokens_per_step:.2f}" if r.delivered_tokens_per_step is not None else "-"
+        equal = "-" if r.requests_equal_none is None else f"{r.requests_equal_none}/{len(r.requests)}"
+        if r.outputs_equal_none is False:
+            equal = f"**{equal}**"
+        memory = f"{r.memory.peak_bytes / 1e6:.0f} / {r.memory.limit_bytes / 1e6:.0f}" if r.memory else "-"
+        drained = "-"
+        if r.disconnects is not None:
+            drained = "**stuck**" if r.disconnects["drained_s"] is None else f"{r.disconnects['drained_s']}"
         rows.append(
-            f"| {r.method} | {r.label} | {r.output_tokens_per_s:.1f} | {ratio(r, none)} | {ratio(r, draft_model)} "
-            f"| {step} | {r.mean_latency_s:.2f} | {equal} |"
+            f"| {r.concurrency} | {r.method} | {r.label} | {r.output_tokens_per_s:.2f} | {ratio(r, 'none')} "
+            f"| {ratio(r, 'draft_model')} | {r.mean_time_per_output_token_s:.3f} | {step} | {delivered} "
+            f"| {r.mean_latency_s:.1f} | {equal} | {memory} | {drained} |"
         )
     return "\n".join(rows)
 
@@ -385,27 +681,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=["none", "draft_model", "specexec_tree"],
                         choices=["none", "draft_model", "specexec_tree"])  # fmt: skip
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens of draft_model.")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128], help="Tree budgets of specexec_tree.")
-    parser.add_argument("--requests", type=int, default=8, help="Measured completion requests per method.")
-    parser.add_argument("--concurrency", type=int, default=4, help="Client threads, and the server's max-num-seqs.")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128],
+                        help="specexec_tree's tree nodes per engine step, shared by the batch (step_budget).")
+    parser.add_argument("--request-budget", type=int,
+                        help="Cap on one request's tree before the step's cut; default: the step's total.")
+    parser.add_argument("--requests", type=int, default=8, help="Measured completion requests per configuration.")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[4],
+                        help="Client threads, and the server's max-num-seqs: one server per value and method.")
     parser.add_argument("--max-tokens", type=int, default=64, help="Tokens per request (ignore_eos).")
     # vLLM sends zeros instead of proposals once a request's length plus twice num_speculative_tokens passes
     # max_model_len, so trees need room: prompt + max tokens + 2 x budget.
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--offload", type=Path, help="Stream every server's target from this folder.")
+    parser.add_argument("--cache-fraction", type=float,
+                        help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
+                             "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
+    parser.add_argument("--disconnects", type=int, default=0,
+                        help="Streamed requests to drop after their first token, after the measured phase.")
     parser.add_argument("--start-timeout", type=float, default=600, help="Seconds to wait for a server's /health.")
     parser.add_argument("--request-timeout", type=float, default=600, help="Seconds to wait for one completion.")
     parser.add_argument("--output", type=Path, default=Path("runs/vllm_serving.json"))
     args = parser.parse_args(argv)
-    longest = max(args.budgets) if "specexec_tree" in args.methods else args.k
+    longest = request_budget(args, max(args.budgets)) if "specexec_tree" in args.methods else args.k
     if args.max_model_len < args.max_tokens + 2 * longest:
         parser.error(f"--max-model-len {args.max_model_len} leaves no room for the prompt, --max-tokens and two "
                      f"proposals of {longest} tokens: vLLM would send zeros instead of drafts")  # fmt: skip
+    if args.cache_fraction is not None:
+        if args.offload is None:
+            parser.error("--cache-fraction caps a server streaming its target: pass --offload FOLDER too")
+        if not 0 <= args.cache_fraction < 1:
+            parser.error(f"--cache-fraction {args.cache_fraction}: give a fraction in [0, 1)")
+        reason = MemoryCap.unavailable()
+        if reason:
+            parser.error(f"--cache-fraction: {reason}; run as root on a cgroup v1 machine, or leave it out")
+    if args.offload is not None and not args.offload.is_dir():
+        parser.error(f"--offload {args.offload}: no such folder; create it on the disk to stream from")
     return args
 
 
+def write_report(report: dict[str, Any], results: list[MethodResult], output: Path) -> None:
+    """Rewrites the JSON and the markdown table beside it with the configurations measured so far."""
+    compare_with_none(results)
+    report["results"] = [{**asdict(result), "label": result.label} for result in results]
+    report["goals"] = goals(results)
+    output.write_text(json.dumps(report, indent=2))
+    lines = [markdown_table(results), ""]
+    lines += [f"- {g['goal']}: {g['ratio']:.2f}x (budget {g['best_tree_budget']}), "
+              f"{'met' if g['met'] else 'not met'}" for g in report["goals"]]  # fmt: skip
+    lines += [f"- FAILED: {f['concurrency']} client(s), {f['method']} (budget {f['budget']}): "
+              f"{f['error'].splitlines()[0]}" for f in report["failed"]]  # fmt: skip
+    output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Runs the benchmark, writes ``--output`` and prints a markdown table; returns the report written.
+    """Runs the benchmark, writes ``--output`` (and its ``.md``) after every configuration and prints the table;
+    returns the report written.
 
     Args:
         argv: Command-line arguments without the program name; ``None``: ``sys.argv[1:]``.
@@ -414,40 +745,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        if args.default_pair:
-            from specexec_hf.models import export_default_pair
-
-            target, draft = map(str, export_default_pair(scratch))
-            target_name = "SmolLM2-135M-Instruct (default pair)"
-            draft_name = "the shipped draft, its subset head widened to the full vocabulary"
-        elif args.target is None:
-            pair = make_tiny_pair(Path(scratch), noise=args.noise)
-            target, draft = str(pair.target), str(args.draft or pair.draft)
-            target_name = "synthetic tiny Llama (benchmarks/synthetic_models.py)"
-            draft_name = args.draft or f"synthetic target + {args.noise} relative noise"
-        else:
-            target, draft = args.target, args.draft or args.target
-            target_name, draft_name = target, draft
-        results = []
-        for method in args.methods:
-            for budget in args.budgets if method == "specexec_tree" else [0]:
-                results.append(run_method(method, args, target, draft, budget))
-                print(f"{method} {results[-1].label}: {results[-1].output_tokens_per_s} tok/s", flush=True)
-    none = next((r for r in results if r.method == "none"), None)
-    if none is not None:
-        for result in results:
-            result.outputs_equal_none = [r.text for r in result.requests] == [r.text for r in none.requests]
-    report = {
+    report: dict[str, Any] = {
         "command": " ".join(["benchmarks/vllm_serving.py", *(sys.argv[1:] if argv is None else argv)]),
         "vllm": vllm.__version__,
-        # The server worker's compute threads (vLLM-CPU binds one OpenMP thread per core it gives the worker); the
-        # methods' own lists are in their results.
-        "torch_threads": max((len(r.worker_cores) for r in results if r.worker_cores), default=None),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "cpu_count": os.cpu_count(),
-        "target": target_name,
-        "draft": draft_name,
+        "load_before": [round(x, 2) for x in os.getloadavg()],
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "concurrency": args.concurrency,
@@ -455,15 +758,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "k": args.k,
         "specexec_tree_budgets": args.budgets,
-        "results": [{**asdict(result), "label": result.label} for result in results],
+        "request_budget": args.request_budget,
+        "offload": None if args.offload is None else str(args.offload),
+        "cache_fraction": args.cache_fraction,
+        "disconnects": args.disconnects,
+        "failed": [],  # configurations whose server failed, with the error
     }
-    args.output.write_text(json.dumps(report, indent=2))
-    print(markdown_table(results))
-    differing = [f"{r.method} ({r.label})" for r in results if r.outputs_equal_none is False]
+    results: list[MethodResult] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.default_pair:
+            from specexec_hf.models import export_default_pair
+
+            target, draft = map(str, export_default_pair(scratch))
+            report["target"] = "SmolLM2-135M-Instruct (default pair)"
+            report["draft"] = "the shipped draft, its subset head widened to the full vocabulary"
+        elif args.target is None:
+            pair = make_tiny_pair(Path(scratch), noise=args.noise)
+            target, draft = str(pair.target), str(args.draft or pair.draft)
+            report["target"] = "synthetic tiny Llama (benchmarks/synthetic_models.py)"
+            report["draft"] = args.draft or f"synthetic target + {args.noise} relative noise"
+        else:
+            target, draft = args.target, args.draft or args.target
+            report["target"], report["draft"] = target, draft
+        for concurrency in args.concurrency:
+            for method in args.methods:
+                for budget in args.budgets if method == "specexec_tree" else [0]:
+                    try:
+                        results.append(run_method(method, args, target, draft, budget, concurrency))
+                    except (RuntimeError, TimeoutError, OSError) as error:  # a server that died: on to the next
+                        failure = {"method": method, "concurrency": concurrency, "budget": budget, "error": str(error)}
+                        report["failed"].append(failure)
+                        print(f"FAILED {failure}", flush=True)
+                    else:
+                        last = results[-1]
+                        print(f"{concurrency} client(s), {method} {last.label}: {last.output_tokens_per_s} tok/s",
+                              flush=True)  # fmt: skip
+                    write_report(report, results, args.output)
+    # The server worker's compute threads (vLLM-CPU binds one OpenMP thread per core it gives the worker).
+    report["torch_threads"] = max((len(r.worker_cores) for r in results if r.worker_cores), default=None)
+    write_report(report, results, args.output)
+    print(args.output.with_suffix(".md").read_text())
+    differing = [f"{r.method} ({r.label}, {r.concurrency} clients)" for r in results if r.outputs_equal_none is False]
     if differing:
         print(f"OUTPUTS DIFFER from the no-speculation server's: {', '.join(differing)}")
-    elif none is not None:
-        print("Every method's outputs equal the no-speculation server's.")
+    elif any(r.method == "none" for r in results):
+        print("Every configuration's outputs equal the no-speculation server's.")
     print(f"wrote {args.output}")
     return report
 

@@ -1,22 +1,125 @@
-"""benchmarks/vllm_serving.py on the synthetic tiny pair: three `vllm serve` runs (none, draft_model, SpecExec trees)
-whose greedy texts must agree, with speculation that commits more than one token per target step.
+"""benchmarks/vllm_serving.py: its pure parts (the event stream, the comparison with the unspeculated server, the
+goals, the tree's server arguments, the argument checks), and on the synthetic tiny pair three `vllm serve` runs
+(none, draft_model, SpecExec trees) whose greedy texts must agree, with speculation that commits more than one token
+per target step.
 
-Each server takes 40-60 s to start on the 2-core CPU machine, so this module takes about 3 minutes.
+The end-to-end test's servers take 40-60 s each to start on the 2-core CPU machine, so it takes about 3 minutes.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 from conftest import benchmark_script
+from hypothesis import given
+from hypothesis import strategies as st
 
 vllm_serving = benchmark_script("vllm_serving")
 
-pytestmark = pytest.mark.slow
+
+def sse(chunks: list[dict], trailing: list[dict]) -> io.BytesIO:
+    """A server-sent event stream of ``chunks``, then ``data: [DONE]``, then ``trailing`` (never read)."""
+    lines = [b": keep-alive\n", b"\n"]
+    for chunk in chunks:
+        lines += [f"data: {json.dumps(chunk)}\n".encode(), b"\n"]
+    lines.append(b"data: [DONE]\n")
+    lines += [f"data: {json.dumps(chunk)}\n".encode() for chunk in trailing]
+    return io.BytesIO(b"".join(lines))
 
 
+@given(st.lists(st.text(max_size=5), max_size=8), st.integers(0, 100))
+def test_stream_chunks_give_the_pieces_in_order_and_stop_at_done(pieces, tokens):
+    chunks = [{"choices": [{"text": piece}]} for piece in pieces]
+    chunks.append({"choices": [], "usage": {"completion_tokens": tokens}})
+    read = list(vllm_serving.stream_chunks(sse(chunks, trailing=[{"choices": [{"text": "after done"}]}])))
+    assert read == chunks
+    assert "".join(c["choices"][0]["text"] for c in read if c["choices"]) == "".join(pieces)
+
+
+def request(text: str, latency: float = 2.0, first: float = 0.5, tokens: int = 4) -> object:
+    return vllm_serving.RequestResult(0, latency, first, tokens, text)
+
+
+def result(method: str, concurrency: int, tok_s: float, texts: list[str], budget: int | None = None) -> object:
+    """A measured configuration with only the fields the comparisons read set to something meaningful."""
+    return vllm_serving.MethodResult(
+        method=method, concurrency=concurrency, budget=budget, request_budget=budget, k=4 if method == "draft_model"
+        else None, server_start_s=1.0, wall_s=1.0, completion_tokens=4 * len(texts), output_tokens_per_s=tok_s,
+        mean_latency_s=1.0, median_latency_s=1.0, mean_first_token_s=0.1, mean_time_per_output_token_s=0.1,
+        drafts=0, draft_tokens=0, accepted_tokens=0, tokens_per_target_step=None, delivered_tokens_per_step=None,
+        outputs_equal_none=None, requests_equal_none=None, log="x.log", worker_cores=None, memory=None,
+        disconnects=None, requests=[request(text) for text in texts],
+    )  # fmt: skip
+
+
+def test_time_per_output_token_excludes_the_first_token():
+    assert request("a", latency=3.5, first=0.5, tokens=7).time_per_output_token_s == pytest.approx(0.5)
+    assert request("a", latency=3.5, first=0.5, tokens=1).time_per_output_token_s == 3.5
+
+
+def test_outputs_are_compared_with_the_unspeculated_server_at_the_same_concurrency():
+    results = [
+        result("none", 1, 4.0, ["a", "b"]),
+        result("none", 8, 9.0, ["a", "c"]),  # batching may change a text: each concurrency has its own reference
+        result("specexec_tree", 8, 9.0, ["a", "c"], budget=64),
+        result("draft_model", 1, 3.0, ["a", "x"]),
+        result("specexec_tree", 4, 2.0, ["a", "b"], budget=16),  # no none at 4 clients
+    ]
+    vllm_serving.compare_with_none(results)
+    assert [(r.outputs_equal_none, r.requests_equal_none) for r in results] == [
+        (True, 2), (True, 2), (True, 2), (False, 1), (None, None)
+    ]  # fmt: skip
+    table = vllm_serving.markdown_table(results)
+    assert "| **1/2** |" in table and "| 8 | specexec_tree | budget 64 | 9.00 | 1.00x | - |" in table
+
+
+def test_goals_take_the_best_tree_budget_and_skip_what_was_not_measured():
+    results = [
+        result("none", 1, 2.0, ["a"]),
+        result("draft_model", 1, 3.0, ["a"]),
+        result("specexec_tree", 1, 4.5, ["a"], budget=16),
+        result("specexec_tree", 1, 3.5, ["a"], budget=64),
+        result("specexec_tree", 8, 20.0, ["a"], budget=64),  # no none with 8 clients: that goal is not measured
+    ]
+    assert vllm_serving.goals(results) == [
+        {"goal": "1 client(s): trees >= 2.0x none", "best_tree_budget": 16, "ratio": 2.25, "met": True},
+        {"goal": "1 client(s): trees >= 1.5x draft_model", "best_tree_budget": 16, "ratio": 1.5, "met": True},
+    ]
+    results.append(result("none", 8, 16.0, ["a"]))
+    assert vllm_serving.goals(results)[-1] == {
+        "goal": "8 client(s): trees >= 1.3x none", "best_tree_budget": 64, "ratio": 1.25, "met": False
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("budget", "cap", "per_request"), [(64, None, 64), (256, 32, 32), (16, 32, 16)])
+def test_a_tree_server_shares_the_budget_per_step(budget, cap, per_request):
+    args = vllm_serving.parse_args(["--budgets", str(budget), *(["--request-budget", str(cap)] if cap else [])])
+    command = vllm_serving.server_args("specexec_tree", args, "DRAFT", budget, concurrency=8)
+    config = json.loads(command[command.index("--speculative-config") + 1])
+    settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
+    assert (config["num_speculative_tokens"], settings["budget"], settings["step_budget"]) == (per_request, per_request,
+                                                                                              budget)  # fmt: skip
+    assert settings["tree_verification"] is True
+    assert command[command.index("--max-num-seqs") + 1] == "8"
+    assert "--speculative-config" not in vllm_serving.server_args("none", args, "DRAFT", 0, concurrency=8)
+
+
+def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        vllm_serving.parse_args(["--cache-fraction", "0.3"])
+    assert "pass --offload FOLDER too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        vllm_serving.parse_args(["--offload", str(tmp_path / "missing")])
+    assert "no such folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        vllm_serving.parse_args(["--offload", str(tmp_path), "--cache-fraction", "1.5"])
+    assert "a fraction in [0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_serving_benchmark_on_the_tiny_pair(vllm_env, tmp_path):
     output = tmp_path / "serving.json"
     vllm_serving.main(
@@ -24,16 +127,19 @@ def test_serving_benchmark_on_the_tiny_pair(vllm_env, tmp_path):
          "--output", str(output)]
     )  # fmt: skip
     report = json.loads(output.read_text())
-    assert (report["concurrency"], report["requests"], report["max_tokens"]) == (2, 4, 16)
+    assert (report["concurrency"], report["requests"], report["max_tokens"], report["failed"]) == ([2], 4, 16, [])
     results = {(r["method"], r["budget"]): r for r in report["results"]}
     assert set(results) == {("none", None), ("draft_model", None), ("specexec_tree", 16)}
     for (method, _), result in results.items():
         assert result["outputs_equal_none"] is True, method
+        assert result["requests_equal_none"] == 4
         assert result["completion_tokens"] == 4 * 16
         assert all(request["text"] for request in result["requests"])
         assert result["output_tokens_per_s"] > 0 and result["mean_latency_s"] > 0
+        assert 0 < result["mean_time_per_output_token_s"] < result["mean_latency_s"]
         assert Path(result["log"]).is_file()
     assert results[("none", None)]["drafts"] == 0
     for key in (("draft_model", None), ("specexec_tree", 16)):
         assert results[key]["tokens_per_target_step"] > 1
         assert results[key]["delivered_tokens_per_step"] > 1
+    assert output.with_suffix(".md").read_text().startswith("| clients | method |")
