@@ -273,7 +273,13 @@ _WRITING: list[LayerFile] = []  # the file of a target being loaded, removed if 
 
 
 def _is_target(vllm_config: Any, model_config: Any) -> bool:
-    """Whether the loader is loading the engine's target (a vLLM-loaded draft has its own model config)."""
+    """Whether the loader is loading the engine's target. vLLM's ``draft_model`` proposer loads its draft with a
+    copy of the engine's configuration whose ``model_config`` is the draft's own (``draft_model_config``), so that
+    identity alone does not tell them apart; ``custom_class`` and n-gram methods reuse the target's config."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft_config = None if spec is None else spec.draft_model_config
+    if draft_config is not None and draft_config is not spec.target_model_config and model_config is draft_config:
+        return False
     return model_config is vllm_config.model_config
 
 
