@@ -79,8 +79,8 @@ def self_draft(target: PreTrainedModel, bits: int = 4, device: torch.device | st
 
 class _LayerCacheView:
     """The draft's KV cache as one shared decoder layer writes to it: the layer's attention names its index in the
-    target, and its keys and values land in the draft's layer ``index`` instead (the draft's cache holds only its
-    own layers, so that its length is the first of them's)."""
+    target, its keys and values land in the draft's layer ``index`` instead. The draft's cache thus holds its own
+    layers only, numbered from 0 (models and :mod:`.kv` read a cache's length from its layer 0)."""
 
     def __init__(self, cache: Any, index: int):
         self._cache, self._index = cache, index
@@ -291,6 +291,8 @@ def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str |
     offloaded target, a layer that is not resident (:func:`resident_layers`) is streamed in for every draft forward
     exactly as for a target forward (a disk read where it is placed on disk), and so are the embedding, final norm
     and LM head if they are not resident; the default layers (:func:`default_layer_spec`) avoid that for the layers.
+    Being the target's modules, they follow whatever is done to the draft: moving or converting the draft (``.to``,
+    ``.half()``) or training it changes the target.
 
     Args:
         target: A decoder-only causal LM, in memory or offloaded.
