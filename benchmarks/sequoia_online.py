@@ -3,7 +3,9 @@
 Per budget, over the same held-out chat prompts (greedy): SpecExec's best-first tree (the default, with its online
 acceptance map), a SpecInfer-style tree (k draft beams merged at the root, at each ``--static-max-depth``), Sequoia's
 static tree for the fixed geometric prior vector (``learn=False``) and Sequoia with the vector learnt online (one
-policy object carried from prompt to prompt, as SpecExec's learnt state is). Every method first decodes
+policy object carried from prompt to prompt, as SpecExec's learnt state is). With ``--budgets ... auto``, also
+SpecExec with ``budget="auto"`` beside Sequoia online sizing its own trees from the same measured forward-time
+profile (Sequoia's hardware-aware size and depth), where tokens/s is the figure that counts. Every method first decodes
 ``--warmup-prompts`` calibration prompts unmeasured, so the learning ones are measured after some learning.
 Greedy outputs are checked against plain generate(). Writes JSON and Markdown to
 benchmarks/results/sequoia_online/.
@@ -33,9 +35,11 @@ from specexec_hf.tools.prompts import chat_inputs
 RESULTS = Path(__file__).resolve().parent / "results" / "sequoia_online"
 
 
-def policies(static_depths: list[int]) -> dict[str, tuple[SearchPolicy, int | None]]:
+def policies(static_depths: list[int], budget: int | str) -> dict[str, tuple[SearchPolicy, int | None]]:
     """Per method, a fresh policy and the depth cap it runs with (``None``: the library's default)."""
     methods: dict[str, tuple[SearchPolicy, int | None]] = {"specexec best-first": (grow_tree, None)}
+    if budget == "auto":
+        return {**methods, "sequoia online, sized by cost": (SequoiaSearch(), None)}
     for depth in static_depths:
         methods[f"specinfer-style (depth {depth})"] = (SpecInferSearch(), depth)
     for depth in static_depths:
@@ -49,7 +53,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--warmup-prompts", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--budgets", nargs="+", default=["16", "64"], help="integers, or auto")
     parser.add_argument("--static-max-depth", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -60,8 +64,8 @@ def main() -> None:
     expected = [target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=args.max_new_tokens,
                                 do_sample=False) for p in prompts]
     rows = []
-    for budget in args.budgets:
-        for method, (policy, depth) in policies(args.static_max_depth).items():
+    for budget in [b if b == "auto" else int(b) for b in args.budgets]:
+        for method, (policy, depth) in policies(args.static_max_depth, budget).items():
             state = LearntState()  # SpecExec's acceptance map, learnt across this method's prompts only
             records = []
             for index, ids in enumerate([*warmup, *prompts]):
