@@ -81,7 +81,9 @@ def generate(
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
             :data:`~specexec_hf.core.search.TREE_POLICIES`); the acceptance map and drawn children apply to policies
-            that support them (``ranks_children``, ``draws_children``).
+            that support them (``ranks_children``, ``draws_children``). ``"sequoia"`` learns its acceptance vector
+            within the call (pass one ``SequoiaSearch`` object to keep learning across calls) and, with
+            ``budget="auto"``, picks each tree's size and depth from the measured forward times.
         learnt_state: Where the acceptance maps and ``budget="auto"``'s estimates are read and taught; ``None``:
             the state the draft carries (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep
             learning. Pass a separate :class:`~.learnt_state.LearntState` to keep a run's learning apart.
