@@ -18,7 +18,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 RUN_TIMEOUT_S = 900
 # Each example's short run and the line that shows it worked.
 SHORT_RUNS = {
-    "quickstart.py": (["--max-new-tokens", "8"], r"identical to plain greedy:\s+True"),
+    "quickstart.py": (
+        ["--max-new-tokens", "8", "--runs", "1"], r"identical to plain greedy:\s+True(?s:.*)speedup:\s+[\d.]+x"
+    ),
     "pipeline.py": (["--max-new-tokens", "8"], r"identical to the plain pipeline: True"),
     "offload.py": (["--max-new-tokens", "8"], r"identical to plain greedy: HF assisted \S+, SpecExec True"),
     "vllm_offline.py": (
