@@ -5,9 +5,13 @@ and the target's choice at a visited node is the draft's rank-r token with proba
 
 - ``position-independent``: the same draft distribution ``q`` at every node and the target picking by ``q``
   itself (a calibrated draft), so ``p = q`` everywhere: Sequoia's model holds exactly;
+- ``position-independent, draft unsure``: the same ``q`` everywhere, but the target picks by a sharper ``p``
+  (rank 0 at 0.86): the draft's probabilities under-rate its top token, and only a learnt vector sees it;
 - ``position-dependent``: each node's draft distribution has its own sharpness (confident here, unsure there)
   and the target picks by that node's ``q``: the draft's per-node confidence says where acceptance is likely,
   which only a dynamic tree (SpecExec's best-first) can use.
+
+Best-first ranks by the draft's probability alone here (no acceptance map, which ``generate()`` adds).
 
 Per regime and budget, every policy grows the same number of trees, each walked by the simulated target, whose
 walk the policy observes (so Sequoia online learns its vector); reported: mean tokens per step (accepted draft
@@ -33,12 +37,14 @@ from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
 RESULTS = Path(__file__).resolve().parent / "results" / "sequoia_online"
 VOCAB = 64
 BASE_LOGITS = -0.5 * torch.arange(VOCAB, dtype=torch.float64)  # rank r: weight e^(-r/2) before sharpening
+REGIMES = ("position-independent", "position-independent, draft unsure", "position-dependent")
+UNSURE_TARGET = torch.softmax(4 * BASE_LOGITS, dim=-1)  # the target's rank probabilities where the draft is unsure
 
 
 def node_logprobs(regime: str, generator: torch.Generator) -> torch.Tensor:
     """``[VOCAB]`` one node's draft log-probs: the regime's distribution over ranks, on shuffled tokens."""
     sharpness = 1.0
-    if regime == "position-dependent":
+    if regime == REGIMES[2]:
         sharpness = float(torch.empty(1, dtype=torch.float64).uniform_(0.2, 4.0, generator=generator))
     by_rank = torch.log_softmax(BASE_LOGITS * sharpness, dim=-1)
     tokens = torch.randperm(VOCAB, generator=generator)
@@ -59,13 +65,15 @@ def simulate(policy: SearchPolicy, regime: str, budget: int, max_depth: int | No
         result = search.result()
         choices, node = [], 0
         children = result.tree.child_index()
-        while True:  # the target's walk: at each node, the draft's token of a rank drawn from that node's q
+        while True:  # the target's walk: at each node, the draft's token of a rank drawn from the target's p
             pool_node = int(result.pool_index[node])
             logprobs = drafted.get(pool_node)
             if logprobs is None:  # a leaf: the target's choice there ends the walk whatever it is
                 choices.append(0)
                 break
-            choice = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+            by_rank = torch.argsort(logprobs, descending=True)
+            target = UNSURE_TARGET if regime == REGIMES[1] else logprobs[by_rank].exp()
+            choice = int(by_rank[torch.multinomial(target, 1, generator=generator)])
             choices.append(choice)
             node = children.get((node, choice), -1)
             if node < 0:
@@ -85,7 +93,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     rows = []
-    for regime in ("position-independent", "position-dependent"):
+    for regime in REGIMES:
         for budget in args.budgets:
             methods = {
                 "specexec best-first": (grow_tree, None),
