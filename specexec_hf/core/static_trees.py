@@ -328,9 +328,10 @@ class SequoiaSearch(StaticTreeSearch):
         else:
             probs = torch.cat(list(choice_probs[: len(visited)])).to(top_tokens.device)
             hits = probs.gather(-1, top_tokens.clamp(min=0)).double()
-        hits = hits[expanded].sum(0).cpu()  # one host read per walk
-        self.hits[: hits.numel()] += hits  # a vocabulary smaller than the ranks never picks the missing ones
-        self.visits += int(expanded.sum())
+        # One host read per walk: the hits per rank, then the number of expanded visited nodes.
+        counts = torch.cat([hits[expanded].sum(0), expanded.sum(0, keepdim=True).double()]).cpu()
+        self.hits[: counts.numel() - 1] += counts[:-1]  # a vocabulary smaller than the ranks never picks the rest
+        self.visits += float(counts[-1])
         learnt = self.learnt_acceptance()
         if max(abs(new - old) for new, old in zip(learnt, self.acceptance)) > self.rebuild_tolerance:
             self.acceptance = learnt
