@@ -29,7 +29,7 @@ from specexec_hf.models import target_cache_dir
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--budget", type=int, default=32, help="draft tokens per tree (default 32)")
 parser.add_argument("--max-new-tokens", type=int, default=40, help="answer length (default 40)")
-parser.add_argument("--runs", type=int, default=3, help="timed runs per method and target; medians compared (default 3)")
+parser.add_argument("--runs", type=int, default=3, help="timed runs per method and target (default 3)")
 parser.add_argument(
     "--prompt", default="Explain in three sentences why the sky is blue.", help="chat message to answer"
 )
@@ -146,5 +146,6 @@ else:
     in_memory_note = "no less than from disk this time."
 print(
     f"Target in memory: plain {len(plain) / statistics.median(memory.plain_seconds):.2f} tok/s, SpecExec "
-    f"{len(plain) / statistics.median(memory.fast_seconds):.2f} tok/s ({memory.speedup:.2f}x, medians): {in_memory_note}"
+    f"{len(plain) / statistics.median(memory.fast_seconds):.2f} tok/s ({memory.speedup:.2f}x, medians): "
+    + in_memory_note
 )
