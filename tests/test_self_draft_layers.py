@@ -11,6 +11,9 @@ from accelerate import dispatch_model
 from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_batched_drafting import assert_same_tree
+from test_cache import assert_cache_prefix_equal, recomputed_cache
+from tolerances import model_bound
 from transformers import DynamicCache, T5Config, T5ForConditionalGeneration
 
 import specexec_hf
@@ -173,3 +176,21 @@ def test_an_offloaded_target_without_resident_first_layer_needs_explicit_layers(
         with pytest.raises(ValueError, match="name the layers, e.g. 'self:exit:1'"):
             resolve_draft(offloaded, "self:exit")
         assert layer_spec(offloaded, "self:skip") == ("self:skip:0-1,3", [2])
+
+
+@settings(max_examples=8, deadline=None)
+@given(drafted=layer_drafts(), seed=st.integers(0, 2**16), lengths=st.lists(st.integers(1, 10), min_size=2, max_size=3),
+       budget=st.integers(1, 16))
+def test_batched_draft_forwards_of_a_layer_self_draft_equal_its_forwards_alone(drafted, seed, lengths, budget):
+    arch, name = drafted
+    draft = resolve_draft(tiny_model(arch, seed=seed, num_layers=LAYER_COUNTS[arch]), name)
+    config = specexec_hf.SpecExecConfig(budget=budget, max_depth=6)
+    batched = [specexec_hf.SpecExecCandidateGenerator(draft, config) for _ in lengths]
+    alone = [specexec_hf.SpecExecCandidateGenerator(draft, config) for _ in lengths]
+    rng = torch.Generator().manual_seed(seed)
+    histories = [torch.randint(0, 64, (1, n), generator=rng) for n in lengths]
+    batch = specexec_hf.grow_trees([(generator, history, None) for generator, history in zip(batched, histories)])
+    for generator, history, ours, single in zip(batched, histories, batch.results, alone):
+        theirs = single.grow_tree(history)
+        assert_same_tree(ours, theirs, model_bound(draft, keys=history.shape[-1] + theirs.tree.num_nodes))
+        assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history), draft)

@@ -306,7 +306,8 @@ def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str |
     count = len(target_layers)
     if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < count:
         raise ValueError(
-            f"layers must be ascending unique decoder-layer indices from 0 to {count - 1}, at least one; got {layers!r}."
+            f"layers must be ascending unique decoder-layer indices from 0 to {count - 1}, at least one; "
+            f"got {layers!r}."
         )
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = len(layers)
@@ -361,5 +362,7 @@ def resolve_draft(target: PreTrainedModel, draft: PreTrainedModel | str) -> PreT
     name, layers = layer_spec(target, draft) if is_layer_draft else (draft, None)
     built = _built.setdefault(target, {})
     if name not in built:
-        built[name] = self_draft(target, SELF_DRAFTS[name]) if layers is None else layer_self_draft(target, layers, name)
+        built[name] = (
+            self_draft(target, SELF_DRAFTS[name]) if layers is None else layer_self_draft(target, layers, name)
+        )
     return built[name]
