@@ -27,7 +27,7 @@ import specexec_hf
 from specexec_hf.models import target_cache_dir
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--budget", type=int, default=32, help="draft tokens per tree (default 32)")
+parser.add_argument("--budget", type=int, default=16, help="draft tokens per tree (default 16)")
 parser.add_argument("--max-new-tokens", type=int, default=40, help="answer length (default 40)")
 parser.add_argument("--runs", type=int, default=3, help="timed runs per method and target (default 3)")
 parser.add_argument(
