@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 from conftest import ARCHITECTURES, importable, perturbed_copy, tiny_model
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specexec_hf.offload import (
@@ -29,6 +29,8 @@ from specexec_hf.offload import (
     stream_on_device,
     weight_units,
 )
+from specexec_hf.offload import stream as stream_module
+from specexec_hf.offload.direct_io import BLOCK, Span, WeightFile, WeightFileError, plan_reads
 
 PLACES = [0, "cpu", "disk"]  # 0: resident on the execution device
 
@@ -311,14 +313,126 @@ def test_a_failed_load_surfaces_in_the_forward_that_needs_it_and_is_retried(fail
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         streamed = streamed_copy(model, layer_map(model, "disk"), device, folder)
         streamer = layer_streamer(streamed)
-        if failing == "disk read":
-            read = streamer._units[2][1][0]
-            read.source, good_source = torch.empty(3, 5, 7, dtype=read.source.dtype), read.source  # cannot fit
-        with pytest.raises(RuntimeError, match="injected failure of copy 3" if failing == "copy" else "size"):
+        if failing == "disk read":  # the third layer's reads come from a file truncated after it was opened
+            module, good_reads = streamer._units[2]
+            short = os.path.join(folder, "short.bin")
+            with open(short, "wb") as handle:
+                handle.write(bytes(2 * BLOCK))
+            short_file = WeightFile(short)
+            os.truncate(short, BLOCK // 2)
+            staging = streamer._slots[streamer._slot_of[2]].staging
+            streamer._units[2] = (module, plan_reads([Span(short_file, 0, 2 * BLOCK, staging[: 2 * BLOCK])]))
+        with pytest.raises(RuntimeError, match="injected failure of copy 3" if failing == "copy" else "Short read"):
             streamed(ids)
         if failing == "disk read":
-            read.source = good_source
+            streamer._units[2] = (module, good_reads)
         assert torch.equal(streamed(ids).logits, model(ids).logits)
+
+
+def checkpoint_and_reference(folder, dtype, stored, num_layers, vocab_size, seed):
+    """``(what stream_on_device streams from, the in-memory reference)``: a safetensors checkpoint in ``dtype`` or
+    float64 (converted when read), or a model whose disk-placed units get offloaded to ``.dat`` files."""
+    from transformers import AutoModelForCausalLM
+
+    saved = torch.float64 if stored == "checkpoint, converted" else dtype
+    model = tiny_model("llama", seed=seed, num_layers=num_layers, vocab_size=vocab_size, dtype=saved)
+    if stored == "offload folder":
+        return copy.deepcopy(model), model
+    model.save_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    # Weights in fresh allocations, as on an accelerator (a zero-copy view of the checkpoint is aligned otherwise).
+    return folder, copy.deepcopy(loaded)
+
+
+@given(
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
+    stored=st.sampled_from(["checkpoint, same dtype", "checkpoint, converted", "offload folder"]),
+    num_layers=st.integers(1, 4),
+    vocab_size=st.sampled_from([64, 200, 1031]),
+    places=st.sampled_from([["disk"], [0, "cpu", "disk"], ["disk", "cpu"]]),
+    prefetch=st.integers(1, 3),
+    direct=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=12, deadline=None)
+def test_disk_layers_are_read_directly_into_staging_bit_equal_to_the_file(
+    tmp_path_factory, dtype, stored, num_layers, vocab_size, places, prefetch, direct, seed
+):
+    """Every streamed layer's slot, filled from staging (direct reads, or the page-cache fallback), holds exactly the
+    reference weights, converted as from_pretrained converts them; then the logits are bit-identical."""
+    folder = tmp_path_factory.mktemp("model")
+    source, reference = checkpoint_and_reference(folder, dtype, stored, num_layers, vocab_size, seed)
+    device_map = placed(reference, places)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if not direct:  # as on a filesystem that refuses O_DIRECT
+            monkeypatch.setattr(stream_module, "WeightFile", lambda path: WeightFile(path, direct=False))
+        streamed = stream_on_device(source, device_map, OrderCheckingDevice(), folder / "offload", dtype=dtype,
+                                    prefetch=prefetch)
+    streamer = layer_streamer(streamed)
+    disk_units = [reads for _, reads in streamer._units if reads is not None]
+    assert len(disk_units) == sum(device_map[name] == "disk" for name in streamer.unit_names)
+    assert all(file.direct == direct for reads in disk_units for file in reads.files)
+    for position, name in enumerate(streamer.unit_names):
+        streamer._await(streamer._request(position))  # as the forward pre-hook loads it
+        for upload in streamer._uploads[position]:
+            assert torch.equal(upload.target, upload.source)  # the slot holds what the staging (or RAM) held
+        for (key, got), (_, expected) in zip(
+            streamed.get_submodule(name).named_parameters(), reference.get_submodule(name).named_parameters()
+        ):
+            assert torch.equal(got, expected), key
+    # On the CPU stand-in, resident units of a checkpoint in the compute dtype stay zero-copy views of it, aligned
+    # unlike any fresh allocation (on a GPU they are copied): their kernels may round differently.
+    if stored != "checkpoint, same dtype" or 0 not in places:
+        with torch.no_grad():
+            for length in (5, 1, 3):
+                tokens = prompt(length, length, vocab_size)
+                assert torch.equal(streamed(tokens).logits, reference(tokens).logits)
+    assert all(file._mapping is None for reads in disk_units for file in reads.files)  # never read through a map
+
+
+def test_raw_runs_land_in_the_staging_in_place_and_go_up_in_few_copies():
+    """Weights stored in their compute dtype are read straight into the block-aligned pinned staging, no bounce,
+    and move up merged where both layouts space them alike."""
+    with tempfile.TemporaryDirectory() as folder:
+        model = tiny_model("llama", seed=3, num_layers=3, dtype=torch.float32)
+        model.save_pretrained(folder)
+        device = OrderCheckingDevice()
+        streamed = stream_on_device(folder, layer_map(model, "disk"), device, dtype=torch.float32, prefetch=1)
+    streamer = layer_streamer(streamed)
+    for position, (module, reads) in enumerate(streamer._units):
+        assert reads.requests and reads.direct_bytes == sum(request.length for request in reads.requests)
+        assert all(file.direct for file in reads.files)
+        weights = len(list(module.parameters()))
+        assert len(streamer._uploads[position]) < max(2, weights)  # the 4096-byte projections share copies
+    for slot in streamer._slots:
+        assert slot.staging.data_ptr() % BLOCK == 0 and device._is_pinned(slot.staging)
+
+
+@pytest.mark.parametrize("stored", ["checkpoint", "offload folder"])
+@pytest.mark.parametrize("change", ["truncated", "rewritten in place"])
+def test_a_weight_file_changed_under_the_device_streamer_raises_in_every_later_forward(stored, change):
+    model = tiny_model("llama", seed=5, num_layers=3)
+    ids = prompt(1, 5)
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        if stored == "checkpoint":
+            model.save_pretrained(folder)
+            streamed = stream_on_device(folder, layer_map(model, "disk"), OrderCheckingDevice(), dtype=torch.float64)
+            path = os.path.join(folder, "model.safetensors")
+        else:
+            streamed = streamed_copy(model, layer_map(model, "disk"), OrderCheckingDevice(), folder)
+            path = os.path.join(folder, "model.layers.1.mlp.up_proj.weight.dat")
+        assert torch.equal(streamed(ids).logits, model(ids).logits)
+        stat = os.stat(path)
+        if change == "truncated":
+            os.truncate(path, stat.st_size // 2)
+        else:
+            with open(path, "r+b") as handle:
+                handle.seek(stat.st_size // 2)
+                handle.write(b"\0" * 64)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # coarse clocks: make the change show
+        for _ in range(2):
+            with pytest.raises(WeightFileError, match="changed after the model was loaded|Short read"):
+                streamed(ids)
 
 
 def test_close_unpins_and_refuses_later_forwards():
@@ -398,7 +512,7 @@ def test_cuda_streamed_logits_are_bit_identical_to_the_model_on_the_gpu(dtype, p
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         streamed = streamed_copy(model, placed(model, places), CudaDevice(0), folder, prefetch)
         streamer = layer_streamer(streamed)
-        assert all(host is None or host.is_pinned() for host in streamer._hosts)
+        assert all(upload.source.is_pinned() for uploads in streamer._uploads for upload in uploads)
         for _ in range(3):
             assert torch.equal(streamed(ids).logits, reference(ids).logits)
         streamer.close()

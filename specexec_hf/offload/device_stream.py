@@ -2,8 +2,9 @@
 
 Layers that fit the device budget stay resident. Each layer placed in CPU RAM lives in one flat pinned host buffer
 (pinned at its exact size), laid out exactly as its ring slot on the device, so loading it is one asynchronous
-copy. Layers placed on disk are read by :class:`~.stream.LayerStreamer`'s reader thread from the memory-mapped
-files into a pinned staging buffer, then copied up the same way. Copies run on a dedicated copy queue while the
+copy. Layers placed on disk are read with direct reads (:class:`~.direct_io.DirectReader`, ``O_DIRECT``, bypassing
+the page cache) into a block-aligned pinned staging buffer laid out as the file is, then copied up weight by weight
+(consecutive weights spaced alike in both layouts in one copy). Copies run on a dedicated copy queue while the
 previous layer computes; events order them (see :class:`DeviceLayerStreamer`), never a device-wide synchronize.
 """
 
@@ -20,7 +21,20 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .device import StreamDevice
-from .layout import RingSlot, bind_views, plan_runs, ring_slots, slot_members, unit_copies
+from .direct_io import BLOCK, ReadPlan, plan_reads, round_up
+from .layout import (
+    Copy,
+    OffloadedParameter,
+    RingSlot,
+    Run,
+    bind_views,
+    plan_runs,
+    ring_slots,
+    slot_members,
+    span_bytes,
+    unit_copies,
+    unit_spans,
+)
 from .stream import LayerStreamer, unit_parameters
 
 HOST_PLACEMENTS = ("cpu", "disk")
@@ -36,7 +50,7 @@ class _DeviceSlot(RingSlot):
             a fresh slot waits for a compute event recorded after the allocation, as every later one does.
         free: A slot-free event, recorded on the compute queue after the compute last read the slot: every copy
             into the slot waits for it (``None`` before the first read).
-        staging: The pinned buffer disk-placed layers of this slot are read into, or ``None``.
+        staging: The pinned, block-aligned buffer disk-placed layers of this slot are read into, or ``None``.
         staged: The done event of the last copy out of ``staging``: the reader waits for it before overwriting.
     """
 
@@ -55,8 +69,11 @@ class DeviceLayerStreamer(LayerStreamer):
     the compute queue waits for the copy-done event of its slot, and the copies of the next ``prefetch`` layers
     are issued (wrapping around to the next forward's first layers, which then load while the draft grows its
     tree); each waits on the copy queue for a slot-free event recorded on the compute queue when the copy is
-    issued, so after the layer that last read that slot (and before the one about to run). A failed copy or read
-    is raised in the forward that needs it.
+    issued, so after the layer that last read that slot (and before the one about to run). A layer placed on disk
+    is first read into its slot's pinned staging buffer by the reader thread, through the
+    :class:`~.direct_io.DirectReader` the CPU executor uses, with the same checks: a weight file truncated or
+    rewritten under the model raises :class:`~.direct_io.WeightFileError`. A failed copy or read is raised in the
+    forward that needs it.
 
     Use :meth:`install_on_device`, or ``load_offloaded(..., executor="stream")`` with a GPU in ``max_memory``;
     :func:`~.stream.layer_streamer` finds a model's streamer. For benchmarks: ``buffer_bytes`` (the device ring),
@@ -64,30 +81,32 @@ class DeviceLayerStreamer(LayerStreamer):
 
     Args:
         unit_names: The streamed layers' module names, in execution order.
-        units: ``(module, copies into the slot's staging buffer)`` per layer; no copies for a layer in RAM.
+        units: ``(module, the direct reads that fill its slot's staging buffer)`` per layer; ``None`` for a layer
+            in RAM.
         slots: The device ring.
         slot_of: The slot of each layer, from :func:`~.layout.ring_slots`.
-        unit_bytes: The bytes each layer's copy moves.
+        uploads: Per layer, the copies (pinned host -> its slot) that load it, the first into the slot's start.
         prefetch: Layers loaded ahead of the one computing.
-        hosts: Per layer, its pinned host buffer (placed in RAM), or ``None`` (placed on disk).
+        pinned: Every pinned host buffer (the layers in RAM, the staging buffers), unpinned by :meth:`close`.
         device: The device operations.
     """
 
     def __init__(
         self,
         unit_names: list[str],
-        units: list[tuple[nn.Module, list]],
+        units: list[tuple[nn.Module, ReadPlan | None]],
         slots: list[_DeviceSlot],
         slot_of: list[int],
-        unit_bytes: list[int],
+        uploads: list[list[Copy]],
         prefetch: int,
-        hosts: list[torch.Tensor | None],
+        pinned: list[torch.Tensor],
         device: StreamDevice,
     ):
+        unit_bytes = [sum(upload.source.numel() for upload in unit) for unit in uploads]
         super().__init__(unit_names, units, slots, slot_of, unit_bytes, prefetch)
-        self._hosts = hosts
+        self._uploads = uploads
+        self._pinned_bytes = sum(buffer.numel() for buffer in pinned)
         self._device = device
-        pinned = [*(host for host in hosts if host is not None), *(s.staging for s in slots if s.staging is not None)]
         # Unpinned by close(), or when the streamer is collected: freeing registered memory would leak the pin.
         self._release_pinned = weakref.finalize(self, _release_pinned, device, pinned)
 
@@ -126,32 +145,44 @@ class DeviceLayerStreamer(LayerStreamer):
             model.to(device.device)
             return None
         plans = [plan_runs(parameters.pop(name), device.alignment, each_fresh=True) for name in streamed]
-        unit_bytes = [size for size, _ in plans]
+        # A disk-placed unit's staging is laid out as the CPU ring is (each run at its file offset modulo a block,
+        # in blocks of its own), so that direct reads land in place; its slot keeps the device's layout.
+        staged = {
+            position: plan_runs(_members(plans[position][1]), BLOCK, padded=True)
+            for position, name in enumerate(streamed)
+            if device_map[name] == "disk"
+        }
         slot_of = ring_slots(len(streamed), prefetch)
-        slots = []
+        slots, pinned = [], []
         for members in slot_members(slot_of):
-            disk_sizes = [unit_bytes[position] for position in members if device_map[streamed[position]] == "disk"]
-            staging = device.pin(max(disk_sizes)) if disk_sizes else None
-            buffer = device.allocate(max(unit_bytes[position] for position in members))
+            staging_sizes = [round_up(staged[position][0]) for position in members if position in staged]
+            staging = None
+            if staging_sizes:
+                whole = device.pin(max(staging_sizes) + BLOCK)  # room to start at a block boundary
+                staging = whole[-whole.data_ptr() % BLOCK :][: max(staging_sizes)]
+                pinned.append(whole)
+            buffer = device.allocate(max(plans[position][0] for position in members))
             slots.append(_DeviceSlot(buffer, staging=staging))
-        units, hosts = [], []
+        units, uploads = [], []
         for position, name in enumerate(streamed):
             size, runs = plans[position]
             plans[position] = None  # with the module rebound below, the last reference to its weights in RAM
             slot = slots[slot_of[position]]
-            if device_map[name] == "disk":
-                units.append((model.get_submodule(name), unit_copies(runs, slot.staging)))
-                hosts.append(None)
+            if position in staged:
+                staged_runs = staged[position][1]
+                units.append((model.get_submodule(name), plan_reads(unit_spans(staged_runs, slot.staging))))
+                uploads.append(_uploads(runs, staged_runs, slot.staging, slot.buffer))
             else:
                 host = device.pin(size)
+                pinned.append(host)
                 for copy in unit_copies(runs, host):
                     copy.target.copy_(copy.source)
-                units.append((model.get_submodule(name), []))
-                hosts.append(host)
+                units.append((model.get_submodule(name), None))
+                uploads.append([Copy(host, slot.buffer[:size])])
             bind_views(runs, slot.buffer)
             del runs
         model.to(device.device)  # resident units; the streamed ones are bound to device views already
-        streamer = cls(streamed, units, slots, slot_of, unit_bytes, prefetch, hosts, device)
+        streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device)
         model._specexec_layer_streamer = streamer
         return streamer
 
@@ -167,11 +198,10 @@ class DeviceLayerStreamer(LayerStreamer):
     @property
     def host_bytes(self) -> int:
         """Pinned host memory: the layers placed in RAM, and the staging buffers of those placed on disk."""
-        staging = sum(slot.staging.numel() for slot in self._slots if slot.staging is not None)
-        return staging + sum(host.numel() for host in self._hosts if host is not None)
+        return self._pinned_bytes
 
     def close(self) -> None:
-        """Waits for pending copies, stops the reader thread and unpins the host memory.
+        """Waits for pending copies, stops the reader threads and unpins the host memory.
 
         A later forward that needs to load weights raises ``RuntimeError``.
         """
@@ -193,27 +223,35 @@ class DeviceLayerStreamer(LayerStreamer):
 
     def _issue_fill(self, position: int, slot: _DeviceSlot) -> Future:
         """Queues the copy of layer ``position`` into ``slot``, behind the compute that last read the slot."""
-        host = self._hosts[position]
         if slot.opened:
             slot.free, slot.opened = self._device.compute_record(), False
         after = slot.free
-        if host is not None and slot.filled.done():
-            return _resolved(self._device.copy(slot.buffer[: host.numel()], host, after))
+        if self._units[position][1] is None and slot.filled.done():
+            return _resolved(self._upload(position, after))
         # Through the reader thread, behind the slot's pending fill, so that copies into a slot are issued in order.
-        return self._reader.submit(self._stage_and_copy, position, slot, after)
+        return self._reader.submit(self._stage_and_upload, position, slot, after)
 
-    def _stage_and_copy(self, position: int, slot: _DeviceSlot, after: Any) -> Any:
-        """On the reader thread: reads a disk-placed layer into pinned staging, then issues its copy to the slot."""
-        source = self._hosts[position]
-        if source is None:
+    def _stage_and_upload(self, position: int, slot: _DeviceSlot, after: Any) -> Any:
+        """On the reader thread: reads a disk-placed layer into the pinned staging, then issues its copies up."""
+        reads = self._units[position][1]
+        if reads is not None:
             if slot.staged is not None:
                 self._device.host_wait(slot.staged)  # the previous copy out of the staging buffer has landed
-            for copy in self._units[position][1]:
-                copy.target.copy_(copy.source)
-            source = slot.staging[: self._unit_bytes[position]]
-        done = self._device.copy(slot.buffer[: source.numel()], source, after)
-        if self._hosts[position] is None:
+            self._direct_reader.read(reads)
+        done = self._upload(position, after)
+        if reads is not None:
             slot.staged = done
+        return done
+
+    def _upload(self, position: int, after: Any) -> Any:
+        """Issues layer ``position``'s copies to its slot, each behind ``after``; returns the done event of all.
+
+        The copy queue runs them in order, so the last one's event is the layer's. They are issued last to first,
+        so that this event is the copy into the slot's start, the address that names the slot (to an ordering
+        checker too).
+        """
+        for upload in reversed(self._uploads[position]):
+            done = self._device.copy(upload.target, upload.source, after)
         return done
 
     def _await(self, slot: _DeviceSlot) -> None:
@@ -223,6 +261,29 @@ class DeviceLayerStreamer(LayerStreamer):
     def _await_on_host(self, slot: _DeviceSlot) -> None:
         if slot.position is not None and slot.filled.exception() is None:  # a failed read has nothing in flight
             self._device.host_wait(slot.filled.result())
+
+
+def _members(runs: list[Run]) -> list[OffloadedParameter]:
+    """The parameters a unit's runs place, in order."""
+    return [parameter for run in runs for parameter, _ in run.members]
+
+
+def _uploads(runs: list[Run], staged_runs: list[Run], staging: torch.Tensor, buffer: torch.Tensor) -> list[Copy]:
+    """The copies that move a unit from ``staging`` (laid out as ``staged_runs``) to ``buffer`` (as ``runs``).
+
+    Consecutive weights whose offsets differ by the same amount in both layouts (weights stored back to back whose
+    sizes are multiples of the device's alignment, typically) share one copy, padding between them included.
+    """
+    staged_at = {id(parameter): offset for run in staged_runs for parameter, offset in run.members}
+    pieces: list[list[int]] = []  # [staging offset, buffer offset, bytes]
+    for run in runs:
+        for parameter, offset in run.members:
+            source, nbytes = staged_at[id(parameter)], span_bytes(parameter.meta)
+            if pieces and source - pieces[-1][0] == offset - pieces[-1][1]:
+                pieces[-1][2] = offset + nbytes - pieces[-1][1]
+            else:
+                pieces.append([source, offset, nbytes])
+    return [Copy(staging[source : source + nbytes], buffer[at : at + nbytes]) for source, at, nbytes in pieces]
 
 
 def _resolved(value: Any) -> Future:
