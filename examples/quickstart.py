@@ -112,8 +112,8 @@ with tempfile.TemporaryDirectory(prefix="quickstart-offload-", dir=offload_paren
         f"{streamer.streamed_bytes_per_forward / 1e6:.0f} MB of weights back from there."
     )
     print(
-        "Direct reads bypass the page cache, so the weights come from the disk on every forward, although they "
-        "would fit in RAM."
+        "Direct reads (O_DIRECT) bypass the page cache, so the weights come from the disk on every forward, "
+        "although they would fit in RAM (a warning says so where the filesystem refuses O_DIRECT)."
     )
     try:
         disk = compare(on_disk)
@@ -132,14 +132,17 @@ print(
     f"  SpecExec (budget {args.budget:>4}):     {rate(len(plain), disk.fast_seconds)}, {stats.target_forwards} "
     f"target forwards ({stats.tokens_per_target_forward:.2f} tokens each)"
 )
-print(f"  speedup:                    {disk.speedup:6.2f}x  (median times)")
+print(
+    f"  speedup:                    {disk.speedup:6.2f}x  (median times; at most "
+    f"{stats.tokens_per_target_forward:.2f}x, the tokens per forward, with a free draft)"
+)
 if disk.speedup <= 1:
     print(
         "  No speedup this time: the draft's tree growth took as long as the disk passes it saved (on a busy "
         "machine the draft's CPU work slows down, the disk reads do not); try again, or a smaller --budget."
     )
 if memory.speedup < 1:
-    in_memory_note = "SpecExec does not pay there: a 135M model's forward in RAM is cheap next to the draft's tree."
+    in_memory_note = "it does not pay there: a 135M model's forward in RAM is cheap next to the draft's tree."
 elif memory.speedup < disk.speedup:
     in_memory_note = "less than from disk, where each forward saved is a pass over the weights."
 else:
