@@ -553,7 +553,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="HF assisted with constant chains of these lengths, besides its defaults")
     parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3, help="forwards timed per token count (the median)")
-    parser.add_argument("--bound-repeats", type=int, default=2, help="cold reads for the bound (the best)")
+    parser.add_argument("--bound-repeats", type=int, default=3, help="cold reads for the bound (the best)")
     parser.add_argument("--bound-min-bytes", type=int, default=2 * 10**9,
                         help="a scratch file this long, for the buffered read and for the bound where every "
                              "streamed file is shorter")
