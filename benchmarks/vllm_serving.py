@@ -2,14 +2,14 @@
 
 For each concurrency in ``--concurrency`` and each method the script starts one ``vllm serve`` subprocess on
 127.0.0.1 (``--max-num-seqs`` = the concurrency, its log under the output folder), waits for ``/health``, sends one
-warm-up completion, then ``--requests`` greedy streamed completions (``ignore_eos``, ``--max-tokens`` each, prompts
-cycled from ``PROMPTS``, so later requests hit the prefix cache) from that many client threads, and shuts the
-server down. Per configuration it records the request phase's wall seconds, completion tokens, output tokens per
-second, per-request latency, time to first token and time per output token (after the first), and from
-``/metrics`` the growth of vLLM's speculative-decoding counters during the request phase, giving tokens per target
-step (``1 + accepted / drafts``: each verification forward commits the accepted tokens plus one of the target's
-own; vLLM counts accepted tokens before cutting a request at ``max_tokens``, so ``delivered_tokens_per_step``
-gives the count from the tokens the clients received).
+warm-up completion per client (all at once), then ``--requests`` greedy streamed completions (``ignore_eos``,
+``--max-tokens`` each, prompts cycled from ``PROMPTS``, so later requests hit the prefix cache) from that many
+client threads, and shuts the server down. Per configuration it records the request phase's wall seconds, completion
+tokens, output tokens per second, per-request latency, time to first token and time per output token (after the
+first), and from ``/metrics`` the growth of vLLM's speculative-decoding counters during the request phase, giving
+tokens per target step (``1 + accepted / drafts``: each verification forward commits the accepted tokens plus one of
+the target's own; vLLM counts accepted tokens before cutting a request at ``max_tokens``, so
+``delivered_tokens_per_step`` gives the count from the tokens the clients received).
 Methods: ``none``; ``draft_model`` (vLLM's draft-model chains, ``-k`` tokens); ``specexec_tree`` once per
 ``--budgets`` entry, the tree nodes of one engine step for the whole batch (``step_budget``; each request grows its
 tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut). Every
@@ -545,7 +545,11 @@ def measure(
 ) -> MethodResult:
     """The warm-up, the cap, the measured request phase and the disconnect check on a healthy server."""
     tree = method == "specexec_tree"
-    server.complete(WARMUP_PROMPT, min(args.max_tokens, WARMUP_TOKENS), args.request_timeout)
+    # One warm-up request per client at once, so that the memory held when the cap is set is the server's working
+    # set at this concurrency (a tree server's grows with the requests in flight).
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda _: server.complete(WARMUP_PROMPT, min(args.max_tokens, WARMUP_TOKENS),
+                                                args.request_timeout), range(concurrency)))  # fmt: skip
     memory = None if cap is None else cap_after_warmup(cap, target, args.cache_fraction)
     finished = 0
     lock = threading.Lock()
