@@ -70,7 +70,8 @@ def generate(
         streamer: Receives committed tokens in order.
         assistant_model: The draft, as ``generate(assistant_model=...)`` passes it.
         draft_model: The draft, for callers that bypass ``assistant_model`` (the ``speculator=`` route does); also
-            ``"self:int4"`` / ``"self:int8"``, the target itself quantized (:func:`~.self_draft.resolve_draft`),
+            ``"self:int4"`` / ``"self:int8"``, the target itself quantized, or ``"self:exit:K"`` /
+            ``"self:skip:<layers>"``, the target's own layers (:func:`~.self_draft.resolve_draft`),
             which ``speculator="specexec"`` accepts as ``assistant_model`` too (transformers' own checks would
             reject a string there on the ``custom_generate=`` route).
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.

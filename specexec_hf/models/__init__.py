@@ -15,12 +15,13 @@ from .drafts import (
     load_draft_export,
     read_draft_export,
 )
-from ..hf.self_draft import SELF_DRAFTS, resolve_draft, self_draft
+from ..hf.self_draft import LAYER_SELF_DRAFTS, SELF_DRAFTS, layer_self_draft, resident_layers, resolve_draft, self_draft
 from .vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
 
 __all__ = [
     "CONTEXT_MATCH_KEY",
     "GREEDY_TEMPERATURE_KEY",
+    "LAYER_SELF_DRAFTS",
     "SELF_DRAFTS",
     "SubsetLMHead",
     "default_target_dir",
@@ -29,8 +30,10 @@ __all__ = [
     "frequent_tokens",
     "load_default_pair",
     "load_default_target",
+    "layer_self_draft",
     "load_draft_export",
     "read_draft_export",
+    "resident_layers",
     "resolve_draft",
     "restrict_draft_vocabulary",
     "self_draft",

@@ -531,8 +531,8 @@ def _load_draft(name: str, target: PreTrainedModel | None) -> tuple[PreTrainedMo
     if name.startswith("truncated:"):
         draft = truncated_draft(target, int(name.removeprefix("truncated:")))
         return draft, {"name": f"stand-in: the target's first {draft.config.num_hidden_layers} layers"}
-    if name == "target" or name in models.SELF_DRAFTS:
-        return aligned_draft(target, name), {"name": ALIGNED_DRAFT_NAMES[name]}
+    if name == "target" or name.startswith("self:"):  # self:int4/int8, self:exit:K, self:skip:<layers>
+        return aligned_draft(target, name), {"name": ALIGNED_DRAFT_NAMES.get(name, f"layer self-draft {name}")}
     if name == "default" or name.endswith(".safetensors"):
         weights = models.draft_export_path(name)
         meta = json.loads(weights.with_suffix(".json").read_text())
@@ -553,7 +553,7 @@ ALIGNED_DRAFT_NAMES = {
 
 def aligned_draft(target: PreTrainedModel, name: str) -> PreTrainedModel:
     """``"target"``: a copy of the target (a copy, so that forward hooks count the two models apart), or a
-    self-draft (``"self:int4"``, ``"self:int8"``)."""
+    self-draft (``"self:int4"``, ``"self:int8"``, ``"self:exit:K"``, ``"self:skip:<layers>"``)."""
     if name == "target":
         return copy.deepcopy(target)
     return models.resolve_draft(target, name)
