@@ -5,7 +5,7 @@ its weights are stored (:class:`StoredWeight` in a file, :class:`HeldWeight` in 
 groups a unit's parameters into :class:`Run` records (bytes that one read or copy moves) and places them in a ring
 buffer with the alignment the in-memory model's tensors have, so that outputs stay bit-identical;
 :func:`bind_views` makes the unit's parameters views of that buffer; :func:`unit_spans` (direct reads) and
-:func:`unit_copies` (copies from a mapping) fill it. :func:`ring_slots` says which ring buffer each unit computes
+:func:`unit_copies` (copies of RAM-held weights) fill it. :func:`ring_slots` says which ring buffer each unit computes
 out of (:class:`RingSlot`), reading ahead without two units in flight sharing one.
 
 The executors (:mod:`.stream` on the CPU, :mod:`.device_stream` on an accelerator, vLLM's offload) decide when to
