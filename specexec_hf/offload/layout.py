@@ -195,6 +195,39 @@ def slot_members(slot_of: list[int]) -> list[list[int]]:
     return members
 
 
+def slot_bytes(unit_bytes: list[int], slot_of: list[int], alignment: int = 1) -> list[int]:
+    """Each ring buffer's size: the largest unit it serves, rounded up to ``alignment``.
+
+    Args:
+        unit_bytes: The bytes each streamed unit needs, in execution order.
+        slot_of: The ring buffer of each unit (:func:`ring_slots`).
+        alignment: What each buffer's size is rounded up to.
+    """
+    return [
+        -(-max(unit_bytes[position] for position in members) // alignment) * alignment
+        for members in slot_members(slot_of)
+    ]
+
+
+def prefetch_within(unit_bytes: list[int], budget_bytes: int, alignment: int = 1) -> int:
+    """The deepest read-ahead whose ring buffers fit ``budget_bytes`` (at least 1: the executor needs two buffers).
+
+    A deeper read-ahead keeps more requests in flight and reads more of the next forward's first units while the
+    draft grows its tree; with every unit in a buffer of its own the weights stay loaded and are read once.
+
+    Args:
+        unit_bytes: The bytes each streamed unit needs, in execution order.
+        budget_bytes: The memory the ring may take.
+        alignment: What each buffer's size is rounded up to.
+    """
+    fitting = [
+        prefetch
+        for prefetch in range(1, max(2, len(unit_bytes)))
+        if sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch), alignment)) <= budget_bytes
+    ]
+    return max(fitting, default=1)
+
+
 def plan_runs(
     parameters: list[OffloadedParameter],
     alignment: int = CPU_ALLOCATION_ALIGNMENT,

@@ -52,7 +52,7 @@ def load_offloaded(
     offload_folder: str | os.PathLike | None = None,
     executor: str | None = None,
     dtype: torch.dtype | None = None,
-    prefetch: int = 1,
+    prefetch: int | str = 1,
 ) -> PreTrainedModel:
     """Loads a causal LM under a memory budget, modules that do not fit going to disk.
 
@@ -68,7 +68,10 @@ def load_offloaded(
             budget resident and streams the others through a ring on the GPU. ``"accelerate"``: accelerate's
             hooks. ``None`` (default): ``"stream"``, unless ``max_memory`` spreads modules over several GPUs.
         dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
-        prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing.
+        prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing; on the CPU also
+            ``"auto"``: the deepest read-ahead whose ring takes at most half the memory the process can still take
+            (cgroup limits included), which keeps the disk busier and reads more of the next forward during the
+            draft's tree growth (with room for every module, each is read once and stays loaded).
 
     Returns:
         The model in eval mode, with SDPA attention. For ``"stream"``, :func:`layer_streamer` returns its
@@ -84,8 +87,7 @@ def load_offloaded(
     """
     if executor is not None and executor not in EXECUTORS:
         raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)} (or None, the default).")
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
-        raise ValueError(f"prefetch must be a positive integer, got {prefetch!r}.")
+    _check_prefetch(prefetch)
     skeleton = _skeleton(path_or_model, dtype)
     device_map = offload_device_map(skeleton, max_memory, dtype)
     execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
@@ -100,6 +102,11 @@ def load_offloaded(
             )
         from .device import CudaDevice
 
+        if prefetch == "auto":
+            raise ValueError(
+                "prefetch='auto' sizes the CPU ring by the memory left; the GPU ring's depth is an integer: pass "
+                "prefetch=1 (or more, if GPU memory allows prefetch + 1 of the largest streamed module)."
+            )
         device = CudaDevice(execution_devices.pop())
         return stream_on_device(path_or_model, device_map, device, offload_folder, dtype, prefetch)
     if isinstance(path_or_model, PreTrainedModel):
@@ -335,7 +342,12 @@ def _write_tensor_file(path: str, flat: torch.Tensor) -> None:
         handle.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
-def stream(model: PreTrainedModel, prefetch: int = 1) -> PreTrainedModel:
+def _check_prefetch(prefetch: int | str) -> None:
+    if prefetch != "auto" and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1):
+        raise ValueError(f"prefetch must be a positive integer or 'auto', got {prefetch!r}.")
+
+
+def stream(model: PreTrainedModel, prefetch: int | str = 1) -> PreTrainedModel:
     """Runs a model that accelerate offloaded to disk on the streaming executor instead of accelerate's hooks.
 
     For a model loaded with ``from_pretrained(..., device_map=..., offload_folder=...)`` (or dispatched with
@@ -345,7 +357,7 @@ def stream(model: PreTrainedModel, prefetch: int = 1) -> PreTrainedModel:
 
     Args:
         model: The dispatched model; changed in place.
-        prefetch: Modules read ahead of the one computing.
+        prefetch: Modules read ahead of the one computing, or ``"auto"`` (see :func:`load_offloaded`).
 
     Returns:
         ``model``, in eval mode.
@@ -354,6 +366,7 @@ def stream(model: PreTrainedModel, prefetch: int = 1) -> PreTrainedModel:
         ValueError: ``model`` was not dispatched by accelerate, or places modules on a GPU (use
             ``load_offloaded(path, max_memory={0: ..., "cpu": ...})``, which streams to a GPU).
     """
+    _check_prefetch(prefetch)
     device_map = getattr(model, "hf_device_map", None)
     if layer_streamer(model) is not None:
         return model.eval()

@@ -25,7 +25,6 @@ from .direct_io import (
     WeightFileError,
     aligned_empty,
     plan_reads,
-    round_up,
 )
 from .layout import (
     Composite,
@@ -36,13 +35,19 @@ from .layout import (
     StoredWeight,
     bind_views,
     plan_runs,
+    prefetch_within,
     ring_slots,
+    slot_bytes,
     slot_members,
     unit_spans,
 )
+from .memory import memory_headroom
 
 # Alignment of the CPU ring's runs: the file offset modulo a block, so that direct reads land in place.
 _RING_ALIGNMENT = BLOCK
+AUTO_RING_SHARE = 0.5
+"""Share of the memory headroom ``prefetch="auto"`` gives the ring: the rest stays for activations, KV caches, the
+draft and the embedding rows read through the page cache."""
 
 
 def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
@@ -104,13 +109,17 @@ class LayerStreamer:
             module.register_forward_pre_hook(partial(self._before_unit, position))
 
     @classmethod
-    def install(cls, model: PreTrainedModel, unit_names: list[str], prefetch: int = 1) -> LayerStreamer | None:
+    def install(
+        cls, model: PreTrainedModel, unit_names: list[str], prefetch: int | str = 1
+    ) -> LayerStreamer | None:
         """Replaces accelerate's hooks on a dispatched model by a streamer for its disk-placed units.
 
         Args:
             model: A model dispatched by accelerate with ``unit_names`` on disk and everything else on the CPU.
             unit_names: The disk-placed weight units, in execution order.
-            prefetch: Units read ahead of the one computing.
+            prefetch: Units read ahead of the one computing, or ``"auto"``: the deepest read-ahead whose ring takes
+                at most :data:`AUTO_RING_SHARE` of the memory the process can still take
+                (:func:`~.memory.memory_headroom`, cgroup limits included; 1 where it cannot be read).
 
         Returns:
             The streamer, or ``None`` when no unit needs streaming.
@@ -128,19 +137,25 @@ class LayerStreamer:
         if not streamed:
             return None
         plans = [plan_runs(parameters[name], _RING_ALIGNMENT, padded=True) for name in streamed]
+        unit_bytes = [size for size, _ in plans]
+        if prefetch == "auto":
+            headroom = memory_headroom()
+            prefetch = 1 if headroom is None else prefetch_within(unit_bytes, int(headroom * AUTO_RING_SHARE), BLOCK)
         slot_of = ring_slots(len(streamed), prefetch)
-        slots = [
-            RingSlot(aligned_empty(round_up(max(plans[position][0] for position in members), BLOCK)))
-            for members in slot_members(slot_of)
-        ]
+        slots = [RingSlot(aligned_empty(size)) for size in slot_bytes(unit_bytes, slot_of, BLOCK)]
         units = []
         for position, (name, (_, runs)) in enumerate(zip(streamed, plans)):
             buffer = slots[slot_of[position]].buffer
             bind_views(runs, buffer)
             units.append((model.get_submodule(name), plan_reads(unit_spans(runs, buffer))))
-        streamer = cls(streamed, units, slots, slot_of, [size for size, _ in plans], prefetch)
+        streamer = cls(streamed, units, slots, slot_of, unit_bytes, prefetch)
         model._specexec_layer_streamer = streamer
         return streamer
+
+    @property
+    def prefetch(self) -> int:
+        """Units read ahead of the one computing (``"auto"`` resolved at install)."""
+        return self._prefetch
 
     @property
     def buffer_bytes(self) -> int:
