@@ -14,7 +14,7 @@ from conftest import ARCHITECTURES, importable, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specexec_hf.offload import layer_streamer, load_offloaded, offload_device_map
+from specexec_hf.offload import direct_io, layer_streamer, load_offloaded, offload_device_map
 
 # Whole model on disk; or the embedding kept in memory and the rest on disk (tiny float64 models take ~16 KB for
 # the embedding and ~75 KB per layer, and accelerate reserves room for the largest layer on top).
@@ -120,7 +120,8 @@ def test_streamer_memory_stays_flat_over_200_forwards():
             for _ in range(200):
                 offloaded(ids)
             assert streamer.reads_requested - reads == 200 * len(streamer.unit_names)  # each forward read each unit
-            assert live_tensor_count() == tensors
+            # Each reader thread allocates its bounce buffer once, on its first bounced read, which may come late.
+            assert live_tensor_count() - tensors <= direct_io.READERS
             assert streamer.buffer_bytes == buffers
             assert anonymous_resident_bytes() - resident < 8 * 2**20
             streamer.close()

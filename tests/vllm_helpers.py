@@ -47,4 +47,4 @@ def serve_completions(target: Path, log: Path, extra_args: list[str], extra_env:
         stopped_on_sigterm = server.stop()
     if not stopped_on_sigterm:
         pytest.fail(f"vllm serve did not shut down on SIGTERM:\n{serving.log_tail(log)}")
-    return ServerRun([text for text, _, _ in answers], counters)
+    return ServerRun([answer[0] for answer in answers], counters)  # complete() answers (text, tokens, timings...)
