@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .direct_io import Span, WeightFile
+from .direct_io import Span, WeightFile, round_up
 
 # Allocation alignment of torch's CPU allocator, which ring-buffer views reproduce (see plan_runs).
 CPU_ALLOCATION_ALIGNMENT = 64
@@ -204,7 +204,7 @@ def slot_bytes(unit_bytes: list[int], slot_of: list[int], alignment: int = 1) ->
         alignment: What each buffer's size is rounded up to.
     """
     return [
-        -(-max(unit_bytes[position] for position in members) // alignment) * alignment
+        round_up(max(unit_bytes[position] for position in members), alignment)
         for members in slot_members(slot_of)
     ]
 
