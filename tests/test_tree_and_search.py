@@ -87,6 +87,7 @@ search_configs = st.builds(
     max_branch=st.integers(1, 6),
     expand_per_forward=st.integers(1, 10),
     max_draft_forwards=st.one_of(st.none(), st.integers(0, 6)),
+    min_draft_gain=st.sampled_from([0.0, 0.0, 0.03, 0.3]),
 )
 
 
@@ -117,6 +118,7 @@ def test_search_keeps_the_budget_best_candidates(config, seed, sharpness, vocab)
 
 @given(search_configs, st.integers(0, 2**16), st.floats(0.5, 6.0), st.integers(2, 30))
 def test_search_only_stops_when_no_expansion_could_help(config, seed, sharpness, vocab):
+    config = config.updated(min_draft_gain=0.0)  # min_draft_gain stops earlier on purpose: tested below
     calls = []
     result = grow_tree(3, table_expand(vocab, seed, sharpness, calls), config)
     if config.max_draft_forwards is not None and result.draft_forwards == 1 + config.max_draft_forwards:
@@ -132,6 +134,30 @@ def test_search_only_stops_when_no_expansion_could_help(config, seed, sharpness,
             continue
         # An unexpanded kept node may only remain if the tree is full and its children could not outrank the worst.
         assert full and float(tree.logprobs[index]) <= worst
+
+
+def _forecast(logprobs: torch.Tensor) -> float:
+    return float(logprobs[1:].double().exp().sum())
+
+
+@given(search_configs, st.floats(0.001, 0.5), st.integers(0, 2**16), st.floats(0.5, 6.0), st.integers(2, 30))
+def test_min_draft_gain_stops_after_the_first_forward_that_gained_too_little(config, gain, seed, sharpness, vocab):
+    full_calls, calls = [], []
+    full = grow_tree(3, table_expand(vocab, seed, sharpness, full_calls), config.updated(min_draft_gain=0.0))
+    result = grow_tree(3, table_expand(vocab, seed, sharpness, calls), config.updated(min_draft_gain=gain))
+
+    # The forecast after each of the full search's forwards, from the same search capped at that many forwards.
+    forecasts = [0.0] + [
+        _forecast(grow_tree(3, table_expand(vocab, seed, sharpness, []), config.updated(
+            min_draft_gain=0.0, max_draft_forwards=count - 1)).tree.logprobs)
+        for count in range(1, len(full_calls) + 1)
+    ]
+    stalled = [k for k in range(1, len(forecasts)) if forecasts[k] - forecasts[k - 1] < gain * (1 + forecasts[k])]
+    assert len(calls) == min(stalled, default=len(full_calls))
+    for (_, _, nodes, _), (_, _, full_nodes, _) in zip(calls, full_calls):  # the same expansions, cut short
+        assert nodes.tolist() == full_nodes.tolist()
+    if len(calls) == len(full_calls):
+        assert result.tree.tokens.tolist() == full.tree.tokens.tolist()
 
 
 @given(

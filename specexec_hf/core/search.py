@@ -215,13 +215,15 @@ class BestFirstSearch:
         self.expanded = torch.zeros(1, dtype=torch.bool, device=self.pool.device)
         self.kept = torch.zeros(1, dtype=torch.long, device=self.pool.device)  # best first
         self.forwards = 0
+        self.forecast = 0.0  # expected accepted tokens of the kept tree (the root excluded)
+        self.stalled = False  # the last forward gained less than min_draft_gain asks
 
     def _tree_is_full(self) -> bool:
         return self.kept.numel() == self.config.budget + 1
 
     def next_nodes(self) -> torch.Tensor | None:
         """The best kept nodes that could still place a child inside the budget, or ``None`` when none can."""
-        if self.forward_limit is not None and self.forwards >= self.forward_limit:
+        if self.stalled or (self.forward_limit is not None and self.forwards >= self.forward_limit):
             return None
         pool, kept = self.pool, self.kept
         eligible = ~self.expanded[kept] & (pool.depths[kept] < self.depth_limit)
@@ -263,6 +265,10 @@ class BestFirstSearch:
         # Those follow the old kept set, in index order, and the stable sort breaks ties by index as rank_nodes does.
         contenders = torch.cat([self.kept, torch.arange(first_new, pool.num_nodes, device=pool.device)])
         self.kept = contenders[rank_nodes(pool.logprobs[contenders])][: self.config.budget + 1]
+        if self.config.min_draft_gain > 0:
+            forecast = float(pool.logprobs[self.kept[1:]].double().exp().sum())
+            self.stalled = forecast - self.forecast < self.config.min_draft_gain * (1 + forecast)
+            self.forecast = forecast
 
     def result(self) -> SearchResult:
         """The kept tree (re-indexed, root first) and the pool it came from."""

@@ -47,6 +47,7 @@ def generate(
     max_branch: int | None = None,
     expand_per_forward: int | None = None,
     max_draft_forwards: int | None = None,
+    min_draft_gain: float | None = None,
     draft_temperature: float | None = None,
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
@@ -76,7 +77,7 @@ def generate(
             reject a string there on the ``custom_generate=`` route).
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
-        budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, draft_temperature,
+        budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, min_draft_gain, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
@@ -102,7 +103,7 @@ def generate(
     hint_streaming_executor(model)
     config = (specexec_config or SpecExecConfig()).updated(
         budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
-        max_draft_forwards=max_draft_forwards, draft_temperature=draft_temperature,
+        max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
         context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
         sampled_children=sampled_children,
     )
