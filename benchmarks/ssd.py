@@ -72,7 +72,7 @@ SHAPES = {
     "llama-8b": LlamaShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256),
     "tiny": LlamaShape("tiny Llama", 256, 512, 4, 4, 2, 16384, tied=True),  # the vocabulary forward_seconds draws
 }
-DEFAULT_PREFETCH = "1"  # --prefetch's default, parsed by prefetch_value
+DEFAULT_PREFETCH = "auto"  # --prefetch's default, parsed by prefetch_value: the ring sized from the cap
 DTYPES = {"bf16": torch.bfloat16, "int4": None}  # int4: optimum-quanto's qint4 decoder layers, asked of the library
 
 
@@ -167,7 +167,9 @@ def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
 
 
 def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
-    """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures."""
+    """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures.
+
+    Called before the target loads (:func:`streamed_target`), so "now" is the runtime and the draft."""
     if cap is None:
         return {"capped": False}
     gc.collect()
@@ -187,12 +189,18 @@ def cap_figures(cap: MemoryCap | None, entry: dict[str, Any]) -> None:
 
 
 @contextmanager
-def streamed_target(checkpoint: Path, cap: MemoryCap | None, prefetch: int | str) -> Iterator[torch.nn.Module]:
-    """The checkpoint's model with every weight on disk, run by the stream executor; on exit the model is freed
-    and the cap lifted."""
+def streamed_target(
+    checkpoint: Path, cap: MemoryCap | None, prefetch: int | str, fraction: float = 0.0
+) -> Iterator[tuple[torch.nn.Module, dict[str, Any]]]:
+    """The checkpoint's model with every weight on disk, run by the stream executor, and the cap's figures.
+
+    The cap is set before the target loads (what the process uses then plus ``fraction`` of the weights), so the
+    ring, the activations and the page cache all come out of that room, and ``prefetch="auto"`` sizes the ring from
+    it as on a machine with that little memory. On exit the model is freed and the cap lifted."""
+    entry = capped(cap, (checkpoint / "model.safetensors").stat().st_size, fraction)
     model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch)
     try:
-        yield model
+        yield model, entry
     finally:
         layer_streamer(model).close()
         del model
@@ -206,13 +214,13 @@ def forward_curve(
 ) -> dict[str, Any]:
     """Forward seconds against tokens scored, the whole model streamed from disk under the cap."""
     weights = checkpoint / "model.safetensors"
-    with streamed_target(checkpoint, cap, args.prefetch) as model:
+    evict(weights)
+    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, entry):
         streamer = layer_streamer(model)
         streamed = streamer.streamed_bytes_per_forward
-        evict(weights)
-        entry: dict[str, Any] = {"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                                 "streamed_bytes": streamed, "ring_bytes": streamer.buffer_bytes}
-        entry.update(capped(cap, weights.stat().st_size, args.cache_fraction))
+        entry.update({"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                      "streamed_bytes": streamed, "ring_bytes": streamer.buffer_bytes,
+                      "prefetch": streamer.prefetch})
         seconds = {}
         for tokens in token_counts:
             seconds[str(tokens)] = forward_seconds(model, tokens, repeats)
@@ -296,11 +304,12 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     compared = methods(draft, args)
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
-    with streamed_target(checkpoint, cap, args.prefetch) as model:
+    evict(weights)
+    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, capped_entry):
+        entry.update(capped_entry, ring_bytes=layer_streamer(model).buffer_bytes, prefetch=layer_streamer(model).prefetch)
         for kwargs in compared.values():  # warm-ups: lazy initialisations, the auto budget's profile
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
         evict(weights)
-        entry.update(capped(cap, weights.stat().st_size, args.cache_fraction))
         rows = []
         for index, inputs in enumerate(prompts):
             reference = None
@@ -441,7 +450,7 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("" if s is None else f"{s:.3f} ({share:.0%})" if share else f"{s:.3f}")
             cap = (f"{curve['limit_bytes'] / 1e6:.0f} MB ({curve['weights_over_limit']:.1f}x), peak "
                    f"{curve.get('peak_bytes', 0) / 1e6:.0f} MB" if curve.get("capped") else "none"
-                   ) + f", ring {curve['ring_bytes'] / 1e6:.0f} MB"
+                   ) + f", ring {curve['ring_bytes'] / 1e6:.0f} MB (prefetch {curve.get('prefetch')})"
             ratio = curve["over_one_token"].get("64")
             lines.append(f"| {curve['shape']} | {curve['dtype']} | {cap} | " + " | ".join(cells)
                          + f" | {curve['flat_tokens']} | {'' if ratio is None else f'{ratio:.2f}x'} |")
@@ -454,9 +463,10 @@ def markdown(report: dict[str, Any]) -> str:
     e2e = report.get("end_to_end")
     if e2e and "methods" in e2e:
         cap = (f"capped at {e2e['limit_bytes'] / 1e6:.0f} MB: the process's own {e2e['usage_before_bytes'] / 1e6:.0f} "
-               f"MB (draft, runtime, ring) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} MB of "
-               f"room for the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights; peak "
-               f"{e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
+               f"MB before the target loaded (draft, runtime) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
+               f"MB of room for the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights, its ring "
+               f"({e2e.get('ring_bytes', 0) / 1e6:.0f} MB, prefetch {e2e.get('prefetch')}), activations and page "
+               f"cache; peak {e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
                   "| method | tokens/s | median per prompt | tokens per target forward | draft s per step | = plain |",

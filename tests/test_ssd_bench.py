@@ -29,7 +29,7 @@ def test_random_checkpoint_loads_as_the_shape_and_streams_from_disk(tmp_path):
     assert all(0 < t.float().std() < 0.05 for t in stored.values() if t.dim() == 2)  # random, never zeros
     ids = torch.tensor([[5, 9, 17]])
     resident = ssd.transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
-    with ssd.streamed_target(directory, None, prefetch=1) as streamed, torch.no_grad():
+    with ssd.streamed_target(directory, None, prefetch=1) as (streamed, _), torch.no_grad():
         assert torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
 
 
@@ -65,7 +65,9 @@ def test_goals_and_projection_from_measured_rows():
 def test_quick_run_measures_every_section_and_deletes_its_shapes(tmp_path):
     """The smoke path: every section, small (the real default pair end to end, so marked slow)."""
     out, shapes = tmp_path / "out", tmp_path / "shapes"
-    assert ssd.main(["--quick", "--no-cap", "--threads", "1", "--out", str(out), "--shape-dir", str(shapes)]) == 0
+    # Without a cap, prefetch="auto" would hold every weight in the ring and stream nothing.
+    arguments = ["--quick", "--no-cap", "--prefetch", "1", "--threads", "1", "--out", str(out), "--shape-dir", str(shapes)]
+    assert ssd.main(arguments) == 0
     report = json.loads((out / "ssd.json").read_text())
     assert {path.name for path in out.iterdir()} == {"ssd.json", "ssd.md", "ssd.png"}
     assert report["bound"]["direct_gbps"] > 0 and report["bound"]["bytes"] >= ssd.QUICK["bound_min_bytes"]
