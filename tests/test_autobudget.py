@@ -167,7 +167,8 @@ def test_auto_budget_on_offloaded_targets_keeps_greedy_output(tmp_path, executor
 
 
 def test_offloaded_copy_gets_its_own_profile(tmp_path, monkeypatch):
-    """The in-memory model's forward times say nothing about its offloaded copy's: neither reuses the other's."""
+    """The in-memory model's forward times say nothing about its offloaded copy's: neither reuses the other's, nor
+    one executor's another's."""
     model = tiny_model("llama", seed=0)
     measured = []
     measure = autobudget.measure_forward_profile
@@ -178,9 +179,10 @@ def test_offloaded_copy_gets_its_own_profile(tmp_path, monkeypatch):
 
     monkeypatch.setattr(autobudget, "measure_forward_profile", counted)
     autobudget.forward_profile(model, [1, 4])
-    for executor in ("accelerate", "stream"):
-        autobudget.forward_profile(offloaded_copy(model, str(tmp_path / executor), "cpu and disk", executor), [1, 4])
-    assert len(measured) == 3
+    for executor, options in (("accelerate", {}), ("stream", {"prefetch": 1}), ("stream", {"prefetch": 2})):
+        folder = str(tmp_path / f"{executor}{options}")
+        autobudget.forward_profile(offloaded_copy(model, folder, "cpu and disk", executor, **options), [1, 4])
+    assert len(measured) == 4  # a stream executor reading ahead deeper times differently, too
 
 
 @pytest.mark.parametrize("budget", [8, "auto"])

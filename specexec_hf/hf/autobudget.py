@@ -121,13 +121,22 @@ def _profile_key(model: PreTrainedModel, sizes: Sequence[int]) -> str:
 
 def _placement(model: PreTrainedModel) -> str:
     """Where the weights live and how many accelerate's hooks fetch per forward (those left on the meta device):
-    the same model times differently in memory, under accelerate's hooks and under a streaming executor."""
+    the same model times differently in memory, under accelerate's hooks and under a streaming executor, and a
+    streaming executor by how deep it reads ahead and how many bytes each forward reads (its ring decides both)."""
     device_map = getattr(model, "hf_device_map", None)
     if not device_map:
         return "in memory"
     units = Counter(str(where) for where in device_map.values())
     offloaded = sum(parameter.device.type == "meta" for parameter in model.parameters())
-    return f"device map {dict(sorted(units.items()))}, {offloaded} tensors on meta"
+    placement = f"device map {dict(sorted(units.items()))}, {offloaded} tensors on meta"
+    # Set by specexec_hf.offload's executors, which this layer does not import (they sit above it).
+    streamer = getattr(model, "_specexec_layer_streamer", None)
+    if streamer is not None:
+        placement += (
+            f", {type(streamer).__name__} prefetch {streamer.prefetch}, "
+            f"{streamer.streamed_bytes_per_forward} bytes per forward"
+        )
+    return placement
 
 
 def forward_profile(model: PreTrainedModel, sizes: Sequence[int], use_disk: bool = True) -> ForwardProfile:
