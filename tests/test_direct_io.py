@@ -87,24 +87,6 @@ def test_read_plans_fill_every_span_with_the_file_bytes(tmp_path_factory, spans,
         assert torch.equal(span.target.view(torch.uint8), expected.view(torch.uint8))  # bits: random bytes hold NaNs
 
 
-@given(st.integers(1, 200 * 2**20), st.integers(1, 8))
-def test_a_plan_is_split_so_that_every_reader_has_a_request(total, readers):
-    size = direct_io.spread_request_bytes(total, readers)
-    assert size % BLOCK == 0 and direct_io.MIN_REQUEST_BYTES <= size <= direct_io.REQUEST_BYTES
-    requests = -(-total // size)
-    if readers * direct_io.MIN_REQUEST_BYTES <= total <= readers * direct_io.REQUEST_BYTES:
-        assert requests == readers  # one request per reader: all of them busy, none idle behind a larger one
-    elif total > readers * direct_io.REQUEST_BYTES:
-        assert size == direct_io.REQUEST_BYTES
-
-
-def test_a_layer_plan_keeps_every_reader_busy(tmp_path):
-    path, _ = random_file(tmp_path, 14 * 2**20)  # one decoder layer of the default target
-    buffer = direct_io.aligned_empty(14 * 2**20)
-    plan = plan_reads([Span(WeightFile(path), 0, 14 * 2**20, buffer)])
-    assert len(plan.requests) == direct_io.READERS
-
-
 def test_raw_spans_land_in_place_when_the_blocks_around_them_are_free(tmp_path):
     path, data = random_file(tmp_path, 4 * BLOCK)
     file = WeightFile(path)

@@ -38,8 +38,6 @@ BLOCK = 4096
 # Request size and requests in flight that reach the disk's sequential bandwidth (benchmarks/results/loaders).
 REQUEST_BYTES = 8 * 2**20
 READERS = 4
-# The smallest request a plan is split into so that all READERS have one: below it, per-request costs dominate.
-MIN_REQUEST_BYTES = 2**20
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -292,7 +290,7 @@ class ReadPlan:
         return sum(request.length for request in self.requests if request.destination is not None)
 
 
-def plan_reads(spans: Sequence[Span], request_bytes: int | None = None) -> ReadPlan:
+def plan_reads(spans: Sequence[Span], request_bytes: int = REQUEST_BYTES) -> ReadPlan:
     """The requests that fill ``spans``, at most ``request_bytes`` each (plus alignment).
 
     A raw span lands directly in its target when its target address and file offset agree modulo :data:`BLOCK`
@@ -302,10 +300,8 @@ def plan_reads(spans: Sequence[Span], request_bytes: int | None = None) -> ReadP
 
     Args:
         spans: What to read; targets must not overlap each other.
-        request_bytes: The largest request, a multiple of :data:`BLOCK`; ``None``: :func:`spread_request_bytes`.
+        request_bytes: The largest request, a multiple of :data:`BLOCK`.
     """
-    if request_bytes is None:
-        request_bytes = spread_request_bytes(sum(span.end - span.start for span in spans))
     if request_bytes % BLOCK or request_bytes <= 0:
         raise ValueError(f"request_bytes must be a positive multiple of {BLOCK}, got {request_bytes}.")
     occupied = sorted((span.target.data_ptr(), span.target.data_ptr() + _target_bytes(span)) for span in spans)
@@ -317,19 +313,6 @@ def plan_reads(spans: Sequence[Span], request_bytes: int | None = None) -> ReadP
             requests.extend(_bounced_requests(span, request_bytes))
     files = list({id(span.file): span.file for span in spans}.values())
     return ReadPlan(requests, files)
-
-
-def spread_request_bytes(total_bytes: int, readers: int = READERS) -> int:
-    """The request size for a plan of ``total_bytes``: split among all ``readers`` (a streamed layer is read while
-    the previous one computes, so its own requests are all that is in flight: one 14 MB layer read as 8 + 6 MB keeps
-    two of four readers busy), between :data:`MIN_REQUEST_BYTES` and :data:`REQUEST_BYTES`.
-
-    Args:
-        total_bytes: The bytes the plan reads.
-        readers: Requests the reader keeps in flight.
-    """
-    share = round_up(-(-total_bytes // readers))
-    return min(REQUEST_BYTES, max(MIN_REQUEST_BYTES, share))
 
 
 def _target_bytes(span: Span) -> int:
