@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specexec_hf.offload import direct_io, layer_streamer, load_offloaded, offload_device_map
+from specexec_hf.offload.layout import slot_members
 
 # Whole model on disk; or the embedding kept in memory and the rest on disk (tiny float64 models take ~16 KB for
 # the embedding and ~75 KB per layer, and accelerate reserves room for the largest layer on top).
@@ -106,7 +107,7 @@ def anonymous_resident_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from Linux /proc")
 def test_streamer_memory_stays_flat_over_200_forwards():
     """Streamed weights land in buffers allocated once: nothing accumulates, however many forwards run."""
-    # A 16k vocabulary makes the LM head 2 MB, streamed on every forward: any leak of it would show at once.
+    # Every forward re-reads the decoder layers into the same buffers: any leak of a read would show at once.
     model = tiny_model("llama", seed=0, num_layers=4, vocab_size=16384, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as folder:
         offloaded = offloaded_copy(model, folder, "all on disk", "stream")
@@ -119,7 +120,11 @@ def test_streamer_memory_stays_flat_over_200_forwards():
             reads = streamer.reads_requested
             for _ in range(200):
                 offloaded(ids)
-            assert streamer.reads_requested - reads == 200 * len(streamer.unit_names)  # each forward read each unit
+            # Each forward read each unit sharing a ring buffer: the decoder layers (the 2 MB LM head beside them
+            # has a buffer of its own and stays loaded).
+            shared = [members for members in slot_members(streamer._slot_of) if len(members) > 1]
+            assert sum(len(members) for members in shared) >= 4
+            assert streamer.reads_requested - reads == 200 * sum(len(members) for members in shared)
             # Each reader thread allocates its bounce buffer once, on its first bounced read, which may come late.
             assert live_tensor_count() - tensors <= direct_io.READERS
             assert streamer.buffer_bytes == buffers
@@ -187,3 +192,26 @@ def test_ring_slots_keep_every_read_ahead_window_distinct_across_forwards(count,
     for start in range(count):
         window = [slot_of[(start + ahead) % count] for ahead in range(ring)]
         assert len(set(window)) == ring
+
+
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=40), st.integers(1, 6))
+def test_an_oversized_unit_gets_a_ring_buffer_of_its_own(unit_bytes, prefetch):
+    """Units far larger than the median (an LM head) are read once and stay; the others keep distinct windows; the
+    ring costs at most one ordinary unit per oversized one, plus the buffers of its own that up to ``prefetch`` more
+    units at the end of the cycle need, beyond the layout that cycles the oversized units too."""
+    from specexec_hf.offload.layout import OVERSIZED, ring_slots, slot_bytes, slot_members
+
+    count = len(unit_bytes)
+    slot_of = ring_slots(count, prefetch, unit_bytes)
+    assert sorted(set(slot_of)) == list(range(max(slot_of) + 1))
+    median = sorted(unit_bytes)[count // 2]
+    members = slot_members(slot_of)
+    oversized = [position for position in range(count) if unit_bytes[position] > OVERSIZED * median]
+    assert all(members[slot_of[position]] == [position] for position in oversized)
+    window_size = min(prefetch + 1, count)
+    for start in range(count):
+        window = [slot_of[(start + ahead) % count] for ahead in range(window_size)]
+        assert len(set(window)) == window_size
+    plain = sum(slot_bytes(unit_bytes, ring_slots(count, prefetch)))
+    ordinary = max(size for position, size in enumerate(unit_bytes) if position not in oversized)
+    assert sum(slot_bytes(unit_bytes, slot_of)) <= plain + (len(oversized) + prefetch) * ordinary

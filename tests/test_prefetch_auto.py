@@ -59,7 +59,7 @@ def test_unreadable_memory_information_gives_none(tmp_path):
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=24), st.integers(0, 2000), st.sampled_from([1, 8]))
 def test_prefetch_within_is_the_deepest_read_ahead_whose_ring_fits(unit_bytes, budget, alignment):
     def ring(prefetch):
-        return sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch), alignment))
+        return sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch, unit_bytes), alignment))
 
     chosen = prefetch_within(unit_bytes, budget, alignment)
     assert chosen >= 1

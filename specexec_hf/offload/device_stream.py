@@ -152,7 +152,7 @@ class DeviceLayerStreamer(LayerStreamer):
             for position, name in enumerate(streamed)
             if device_map[name] == "disk"
         }
-        slot_of = ring_slots(len(streamed), prefetch)
+        slot_of = ring_slots(len(streamed), prefetch, [size for size, _ in plans])
         slots, pinned = [], []
         for members in slot_members(slot_of):
             staging_sizes = [round_up(staged[position][0]) for position in members if position in staged]

@@ -27,6 +27,8 @@ from .direct_io import Span, WeightFile, round_up
 
 # Allocation alignment of torch's CPU allocator, which ring-buffer views reproduce (see plan_runs).
 CPU_ALLOCATION_ALIGNMENT = 64
+OVERSIZED = 2
+"""A streamed unit more than this many times the median unit gets a ring buffer of its own (:func:`ring_slots`)."""
 
 
 @dataclass
@@ -171,20 +173,33 @@ class RingSlot:
     filled: Future = field(default_factory=Future)
 
 
-def ring_slots(count: int, prefetch: int) -> list[int]:
+def ring_slots(count: int, prefetch: int, unit_bytes: list[int] | None = None) -> list[int]:
     """The ring buffer each of ``count`` streamed units computes out of, reading ``prefetch`` units ahead.
 
-    Units go round ``prefetch + 1`` buffers; when ``count`` is not a multiple of that, the last ``count % (prefetch +
-    1)`` units get a buffer each of their own, so that any ``prefetch + 1`` consecutive units, across the end of a
-    forward too, use distinct buffers: the next forward's first units are read ahead while the last ones compute.
+    Units go round ``prefetch + 1`` buffers; when their number is not a multiple of that, the last ones get a buffer
+    each of their own, so that any ``prefetch + 1`` consecutive units, across the end of a forward too, use distinct
+    buffers: the next forward's first units are read ahead while the last ones compute. A unit more than
+    :data:`OVERSIZED` times the median unit (an LM head beside decoder layers) gets a buffer of its own too, so it
+    is read once and stays: sharing a buffer, it would make that buffer its size anyway and be read every forward,
+    while a buffer of its own costs one more ordinary unit's worth (and up to ``prefetch`` more where the units left
+    to cycle end the cycle unevenly).
 
     Args:
         count: Streamed units.
         prefetch: Units read ahead of the one computing.
+        unit_bytes: The bytes each unit needs, in execution order; ``None``: all alike.
     """
-    ring = min(prefetch + 1, count)
-    cycled = count - count % ring
-    return [position % ring if position < cycled else ring + position - cycled for position in range(count)]
+    typical = sorted(unit_bytes)[len(unit_bytes) // 2] if unit_bytes else 0
+    oversized = {position for position in range(count) if unit_bytes and unit_bytes[position] > OVERSIZED * typical}
+    cycling = [position for position in range(count) if position not in oversized]
+    ring = min(prefetch + 1, len(cycling))
+    cycled = len(cycling) - len(cycling) % ring if ring else 0
+    slot_of = [0] * count
+    for order, position in enumerate(cycling):
+        slot_of[position] = order % ring if order < cycled else ring + order - cycled
+    for extra, position in enumerate(sorted(oversized)):
+        slot_of[position] = len(cycling) - cycled + ring + extra
+    return slot_of
 
 
 def slot_members(slot_of: list[int]) -> list[list[int]]:
@@ -223,7 +238,7 @@ def prefetch_within(unit_bytes: list[int], budget_bytes: int, alignment: int = 1
     fitting = [
         prefetch
         for prefetch in range(1, max(2, len(unit_bytes)))
-        if sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch), alignment)) <= budget_bytes
+        if sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch, unit_bytes), alignment)) <= budget_bytes
     ]
     return max(fitting, default=1)
 

@@ -141,7 +141,7 @@ class LayerStreamer:
         if prefetch == "auto":
             headroom = memory_headroom()
             prefetch = 1 if headroom is None else prefetch_within(unit_bytes, int(headroom * AUTO_RING_SHARE), BLOCK)
-        slot_of = ring_slots(len(streamed), prefetch)
+        slot_of = ring_slots(len(streamed), prefetch, unit_bytes)
         slots = [RingSlot(aligned_empty(size)) for size in slot_bytes(unit_bytes, slot_of, BLOCK)]
         units = []
         for position, (name, (_, runs)) in enumerate(zip(streamed, plans)):
