@@ -94,15 +94,16 @@ def disk_read_seconds(path: Path) -> dict[str, float]:
         os.close(descriptor)
 
 
-def forward_seconds(model, tokens: int, repeats: int) -> float:
-    """Median wall time of one forward over ``tokens`` fresh tokens, with logits for all of them."""
+def forward_seconds(model, tokens: int, repeats: int, logits: int | None = None) -> float:
+    """Median wall time of one forward over ``tokens`` fresh tokens, with logits for the last ``logits`` of them
+    (``None``: all)."""
     ids = torch.randint(100, 10_000, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     times = []
     with torch.no_grad():
         model(input_ids=ids[:, :1], use_cache=False)  # warm-up
         for _ in range(repeats):
             started = time.perf_counter()
-            model(input_ids=ids, logits_to_keep=tokens, use_cache=False)
+            model(input_ids=ids, logits_to_keep=tokens if logits is None else logits, use_cache=False)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 

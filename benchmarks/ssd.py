@@ -12,8 +12,8 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
    by the stream executor, for the default target and random-weight shapes written to ``--shape-dir``
    (SmolLM2-1.7B and Llama-3-8B in bf16; deleted after their curve unless ``--keep-shapes``); as a share of the
    bound, and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
-   left for caching weights is ``--cache-fraction`` of the shape's weights, so a shape's weights are 2-3x its
-   cap; the peak the group was charged (process plus page cache) is reported. ``int4`` rows ask the library to
+   the cap leaves above the process's own before loading (ring, activations, page cache) is ``--cache-fraction``
+   (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``int4`` rows ask the library to
    stream an optimum-quanto int4 model from disk and report its answer (today a refusal: quantized weights stream
    from CPU RAM only).
 3. **end to end**: the default pair, target streamed from disk under the same cap, draft in RAM, greedy on
@@ -72,6 +72,11 @@ SHAPES = {
     "llama-8b": LlamaShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256),
     "tiny": LlamaShape("tiny Llama", 256, 512, 4, 4, 2, 16384, tied=True),  # the vocabulary forward_seconds draws
 }
+# The room the cap leaves above the process's memory before loading, as a share of the weights: the most that keeps
+# the Llama-3-8B shape's weights over twice its cap, and enough for the default target's ring (155 MB: its 113 MB
+# head stays loaded) plus a 257-token tree forward (a third, 179 MB, was not: a 256-token forward with all its
+# logits was OOM-killed).
+CACHE_FRACTION = 0.45
 DEFAULT_PREFETCH = "auto"  # --prefetch's default, parsed by prefetch_value: the ring sized from the cap
 DTYPES = {"bf16": torch.bfloat16, "int4": None}  # int4: optimum-quanto's qint4 decoder layers, asked of the library
 
@@ -223,7 +228,9 @@ def forward_curve(
                       "prefetch": streamer.prefetch})
         seconds = {}
         for tokens in token_counts:
-            seconds[str(tokens)] = forward_seconds(model, tokens, repeats)
+            # Logits for the last token only, as a SpecExec tree forward computes the LM head for the few nodes its
+            # walk visits (hf.forward.NodeLogits); all 256 tokens' logits would also need 100 MB under the cap.
+            seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
             print(f"  {label}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s", flush=True)
         cap_figures(cap, entry)
     entry["seconds"] = seconds
@@ -277,14 +284,14 @@ def methods(draft, args) -> dict[str, dict]:
 
 
 def timed(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict[str, Any]:
-    """One greedy ``generate()``: its tokens, seconds, target forwards (calls of the decoder stack, which every
-    method's target forward runs once) and SpecExec's draft seconds."""
+    """One ``generate()``, greedy unless ``kwargs`` say ``do_sample=True``: its tokens, seconds, target forwards (calls
+    of the decoder stack, which every method's target forward runs once) and SpecExec's draft seconds."""
     stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
     forwards = [0]
     hook = model.get_decoder().register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     try:
         started = time.perf_counter()
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, **{"do_sample": False, **kwargs},
                                 **({"specexec_stats": stats} if stats else {}))
         seconds = time.perf_counter() - started
     finally:
@@ -573,8 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the random-weight checkpoints are written")
     parser.add_argument("--keep-shapes", action="store_true",
                         help="keep the random-weight checkpoints for the next run (else deleted once measured)")
-    parser.add_argument("--cache-fraction", type=float, default=1 / 3,
-                        help="memory above the process's own left for caching weights, as a share of the weights")
+    parser.add_argument("--cache-fraction", type=float, default=CACHE_FRACTION,
+                        help="memory above the process's own before loading (ring, activations, page cache), as a "
+                             "share of the weights")
     parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
                         help="units read ahead by the stream executor: a positive integer or 'auto'")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
