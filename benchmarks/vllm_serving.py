@@ -16,7 +16,8 @@ tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, bef
 configuration's texts must equal the ``none`` server's at the same concurrency (greedy): ``outputs_equal_none``.
 
 ``--offload FOLDER`` streams every server's target from disk (``SPECEXEC_OFFLOAD``: the proposer's switch for
-``specexec_tree``, the ``specexec_offload`` plugin for ``none`` and ``draft_model``). ``--cache-fraction F`` (root,
+``specexec_tree``, the ``specexec_offload`` plugin for ``none`` and ``draft_model``), ``--offload-prefetch`` layers
+read ahead (``SPECEXEC_OFFLOAD_PREFETCH``, the same for every method). ``--cache-fraction F`` (root,
 cgroup v1, as ``memory_cap.py``) then runs each server in its own memory cgroup and, after the warm-up, caps it at
 the anonymous and file-mapped memory it uses then plus ``F`` of the target's checkpoint bytes: page cache and
 process memory together cannot hold the target. The cgroup's memory is sampled as requests finish
@@ -445,8 +446,25 @@ def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, 
     if config is None:
         return common
     if tree:
-        config["draft_load_config"]["model_loader_extra_config"]["specexec"]["step_budget"] = budget
+        settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
+        settings["step_budget"] = budget
+        settings.update({"draft_dtype": args.draft_dtype, "draft_vocab": args.draft_vocab})  # null: unset
     return [*common, "--speculative-config", json.dumps(config)]
+
+
+def shipped_draft_vocab(folder: Path) -> Path:
+    """Writes the token ids the shipped draft's head scores (``generate()``'s default draft) to a JSON file in
+    ``folder``, for the proposer's ``draft_vocab``; returns its path."""
+    from safetensors import safe_open
+
+    from specexec_hf.models.default_pair import DRAFT_WEIGHTS_PATH
+    from specexec_hf.models.drafts import HEAD_TOKEN_IDS
+
+    with safe_open(str(DRAFT_WEIGHTS_PATH), framework="pt") as weights:
+        ids = weights.get_tensor(HEAD_TOKEN_IDS).tolist()
+    path = folder / "shipped_draft_vocab.json"
+    path.write_text(json.dumps(ids))
+    return path
 
 
 def checkpoint_bytes(target: str) -> int:
@@ -506,6 +524,7 @@ def run_method(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves a large share of RAM
     if args.offload is not None:
         env["SPECEXEC_OFFLOAD"] = str(args.offload)
+        env["SPECEXEC_OFFLOAD_PREFETCH"] = str(args.offload_prefetch)
     cap = None
     if args.cache_fraction is not None:
         cap = MemoryCap(f"vllm_serving_{os.getpid()}")
@@ -698,6 +717,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--offload", type=Path, help="Stream every server's target from this folder.")
+    parser.add_argument("--offload-prefetch", type=int, default=1,
+                        help="With --offload: decoder layers each server's stream reads ahead (its ring holds one "
+                             "more; the ring is process memory, inside the cap).")  # fmt: skip
+    parser.add_argument("--draft-dtype", help="specexec_tree's draft dtype (e.g. bfloat16); default: the target's.")
+    parser.add_argument("--draft-vocab",
+                        help="specexec_tree's draft head scores only these token ids: a JSON list file, or 'shipped' "
+                             "(with --default-pair: the shipped draft's 8192, as generate() runs it); default: "
+                             "the whole vocabulary.")  # fmt: skip
     parser.add_argument("--cache-fraction", type=float,
                         help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
                              "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
@@ -721,6 +748,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--cache-fraction: {reason}; run as root on a cgroup v1 machine, or leave it out")
     if args.offload is not None and not args.offload.is_dir():
         parser.error(f"--offload {args.offload}: no such folder; create it on the disk to stream from")
+    if args.draft_vocab == "shipped" and not args.default_pair:
+        parser.error("--draft-vocab shipped is the default pair's draft vocabulary: pass --default-pair too")
     return args
 
 
@@ -764,6 +793,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "specexec_tree_budgets": args.budgets,
         "request_budget": args.request_budget,
         "offload": None if args.offload is None else str(args.offload),
+        "offload_prefetch": args.offload_prefetch if args.offload is not None else None,
+        "tree_draft_dtype": args.draft_dtype,
+        "tree_draft_vocab": args.draft_vocab,
         "cache_fraction": args.cache_fraction,
         "disconnects": args.disconnects,
         "failed": [],  # configurations whose server failed, with the error
@@ -774,6 +806,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from specexec_hf.models import export_default_pair
 
             target, draft = map(str, export_default_pair(scratch))
+            if args.draft_vocab == "shipped":
+                args.draft_vocab = str(shipped_draft_vocab(Path(scratch)))
             report["target"] = "SmolLM2-135M-Instruct (default pair)"
             report["draft"] = "the shipped draft, its subset head widened to the full vocabulary"
         elif args.target is None:

@@ -21,7 +21,8 @@ Serving: the same JSON as ``vllm serve TARGET --speculative-config '{...}'``. vL
 passes through untouched (it only reads it when it loads a draft itself, which ``custom_class`` does not).
 Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``SPECEXEC_DRAFT_MODEL``,
 ``SPECEXEC_BUDGET``, ...), which the JSON overrides. Settings: ``draft_model`` (path or hub id, required),
-``draft_dtype`` (default: the target's dtype), ``tree_search`` (a registered tree policy's name, as
+``draft_dtype`` (default: the target's dtype), ``draft_vocab`` (a JSON list of the token ids the draft's head
+scores, as the shipped draft's head does in ``generate()``; default: all), ``tree_search`` (a registered tree policy's name, as
 ``generate(tree_search=...)`` takes it: ``"specexec"`` by default, ``"sequoia"``, ``"specinfer"``; one policy
 serves and learns from every request) and the :class:`SpecExecConfig` knobs.
 
@@ -50,6 +51,7 @@ and computes the same proposals; vLLM's ``--cpu-offload-gb`` applies to the targ
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -69,6 +71,7 @@ from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
 from ..hf.learnt_state import LearntState
+from ..models.vocab import restrict_draft_vocabulary
 from ..offload.direct_io import Span, WeightFile, aligned_empty, plan_reads, round_up
 from ..offload.layout import RingSlot, ring_slots, slot_members
 from ..offload.stream import LayerStreamer
@@ -133,6 +136,9 @@ class ProposerSettings:
             ``budget`` nodes, then the trees are cut to the ``step_budget`` best nodes of them all
             (:func:`~specexec_hf.core.step_budget.share_budget`); ``None``: ``budget`` nodes per request.
         tree_search: The tree policy's registered name (:data:`~specexec_hf.core.search.TREE_POLICIES`).
+        draft_vocab: A JSON file holding a list of token ids: the draft's LM head scores only those tokens and
+            proposes no other (:func:`~specexec_hf.models.vocab.restrict_draft_vocabulary`, what the shipped draft's
+            head does in ``generate()``); ``None`` scores the whole vocabulary.
     """
 
     draft_model: str
@@ -143,6 +149,7 @@ class ProposerSettings:
     offload_prefetch: int = 1
     step_budget: int | None = None
     tree_search: str = "specexec"
+    draft_vocab: str | None = None
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -155,7 +162,7 @@ class ProposerSettings:
         knobs = SpecExecConfig.knob_names()
         names = (
             "draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", "step_budget",
-            "tree_search", *knobs,
+            "tree_search", "draft_vocab", *knobs,
         )  # fmt: skip
         unknown = sorted(set(extra) - set(names))
         if unknown:
@@ -181,9 +188,15 @@ class ProposerSettings:
             )
         tree_search = str(raw.get("tree_search", "specexec"))
         tree_policy(tree_search)  # an unknown name is refused here, listing the registered ones
+        draft_vocab = raw.get("draft_vocab") or None
+        if draft_vocab is not None and not os.path.isfile(draft_vocab):
+            raise ValueError(
+                f"draft_vocab={draft_vocab!r} is not a file: give a JSON file holding a list of token ids, or leave "
+                "draft_vocab unset to score the whole vocabulary."
+            )
         return cls(
             str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget,
-            tree_search,
+            tree_search, draft_vocab,
         )
 
 
@@ -203,6 +216,19 @@ def _parse_knob(name: str, annotation: str, value: Any) -> Any:
         return float(value) if "float" in annotation else int(value)
     except ValueError as error:
         raise ValueError(f"SpecExec setting {name}={value!r} is not a number, numbers or true/false.") from error
+
+
+def read_token_ids(path: str) -> torch.Tensor:
+    """The token ids listed in a JSON file (a list of non-negative integers).
+
+    Args:
+        path: The file, e.g. the ``draft_vocab`` setting.
+    """
+    with open(path) as file:
+        ids = json.load(file)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path} must hold a non-empty JSON list of non-negative token ids.")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def sampled_verification_works(device: torch.device) -> bool:
@@ -332,6 +358,8 @@ class SpecExecProposer:
             self.settings.draft_model, dtype=dtype, attn_implementation="sdpa"
         )
         draft = draft.to(self.device).eval()
+        if self.settings.draft_vocab is not None:
+            restrict_draft_vocabulary(draft, read_token_ids(self.settings.draft_vocab))
         check_draft_vocabulary(self.target_vocab_size, draft, target_name="vLLM target")
         check_supported(draft, "draft")  # fail at engine start, not on the first request
         self.draft = draft

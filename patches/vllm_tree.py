@@ -6,17 +6,17 @@ it. This patch turns the draft rows of requests that carry a SpecExec tree into 
 1. positions: each tree row gets ``root position + depth`` (its KV slot stays the sequential one vLLM
    allocated, so the scheduler's slot bookkeeping is untouched);
 2. attention: the native kernel runs the whole batch and writes every row's KV; then the tree rows' outputs
-   are recomputed with ``scaled_dot_product_attention`` over the request's KV gathered through the block table,
-   under a ``[prefix | ancestor]`` mask (prefill chunks and chain requests in the same batch keep the native
-   result);
+   are recomputed with ``scaled_dot_product_attention`` over each request's KV gathered through the block table,
+   under a ``[prefix | ancestor]`` mask, all tree requests of the batch padded into one call per layer (prefill
+   chunks and chain requests in the same batch keep the native result);
 3. acceptance: the target's own choice at each node (its argmax, or a draw from its processed distribution with the
    request's generator, :func:`node_choices`) is walked down the tree
    (:func:`~specexec_hf.core.verify.acceptance_walk`) in place of the rejection sampler, and the accepted
    tokens plus the bonus token are emitted in the ``-1``-padded layout vLLM's bookkeeping reads, so the
    scheduler rolls ``num_computed_tokens`` back by the rejected count as it does for chains;
-4. KV compaction: before the step ends, every layer's KV of the accepted nodes is rewritten into the slots right
-   after the root (through the backend's own ``do_kv_cache_update``), which is where the next step, and the
-   prefix cache, expect the committed tokens.
+4. KV compaction: before the step ends, every layer's KV of the accepted nodes is read back from the slots the
+   native kernel wrote and rewritten into the slots right after the root (through the backend's own
+   ``do_kv_cache_update``), which is where the next step, and the prefix cache, expect the committed tokens.
 
 Only requests without history-dependent logit processing get trees (the proposer decides, see
 :func:`request_takes_tree`); every other request in the batch is sampled by vLLM's own sampler. Engines the
@@ -192,7 +192,8 @@ def tree_rows_mask(ancestors: torch.Tensor, prefix_length: int) -> torch.Tensor:
 def gather_paged_kv(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's first ``length`` positions of keys and values, as ``[kv_heads, length, head_size]`` each.
+    """The first ``length`` positions of keys and values of one or several requests, as ``[..., kv_heads, length,
+    head_size]`` each.
 
     The CPU backend stores each block's keys transposed (``[kv_heads, head_size, block_size]``, what its
     vectorised kernel reads) and its values as ``[kv_heads, block_size, head_size]``; :func:`probe_kv_layout`
@@ -201,38 +202,120 @@ def gather_paged_kv(
     Args:
         key_cache: ``[num_blocks, kv_heads, block_size, head_size]`` key half of a CPU backend cache.
         value_cache: The value half, same shape.
-        block_ids: The request's block table row (at least ``ceil(length / block_size)`` entries).
+        block_ids: ``[..., blocks]`` block table rows, each with at least ``ceil(length / block_size)`` entries
+            (a request shorter than ``length`` reads whatever its later entries name: mask those positions out).
         length: Positions to read.
     """
     num_blocks, kv_heads, block_size, head_size = key_cache.shape
-    used = block_ids[: -(-length // block_size)].long()
-    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[used]  # [b, H, D, bs]
-    keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_size)[:, :length]
-    values = value_cache[used].permute(1, 0, 2, 3).reshape(kv_heads, -1, head_size)[:, :length]
+    used = block_ids[..., : -(-length // block_size)].long()
+    batch = used.shape[:-1]
+    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[used]  # [..., b, H, D, bs]
+    keys = keys.transpose(-4, -3).transpose(-1, -2).reshape(*batch, kv_heads, -1, head_size)[..., :length, :]
+    values = value_cache[used].transpose(-4, -3).reshape(*batch, kv_heads, -1, head_size)[..., :length, :]
     return keys, values
 
 
 def tree_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of tree rows over gathered KV under an explicit mask; returns ``[rows, heads, head_size]``.
+    """Attention of tree rows over gathered KV under an explicit mask; returns ``[..., rows, heads, head_size]``.
 
     Args:
-        query: ``[rows, heads, head_size]`` (rotary embedding applied).
-        keys: ``[kv_heads, length, head_size]``; ``heads`` is a multiple of ``kv_heads`` (grouped queries).
+        query: ``[..., rows, heads, head_size]`` (rotary embedding applied); leading dimensions are requests.
+        keys: ``[..., kv_heads, length, head_size]``; ``heads`` is a multiple of ``kv_heads`` (grouped queries).
         values: Same shape as ``keys``.
-        visible: ``[rows, length]`` bool, True where a row may attend.
+        visible: ``[..., rows, length]`` bool, True where a row may attend; every row must see some key.
         scale: Softmax scale.
     """
-    groups = query.shape[1] // keys.shape[0]
-    keys = keys.repeat_interleave(groups, dim=0).to(query.dtype)
-    values = values.repeat_interleave(groups, dim=0).to(query.dtype)
-    out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=visible, scale=scale)
-    return out.transpose(0, 1)
+    groups = query.shape[-2] // keys.shape[-3]
+    keys = keys.repeat_interleave(groups, dim=-3).to(query.dtype)
+    values = values.repeat_interleave(groups, dim=-3).to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query.transpose(-3, -2), keys, values, attn_mask=visible.unsqueeze(-3), scale=scale
+    )
+    return out.transpose(-3, -2)
+
+
+@dataclass
+class PaddedTreeRows:
+    """The tree rows of all of a step's tree requests, padded into one batch of attention (built once per step and
+    read by every layer).
+
+    Args:
+        blocks: ``[R, blocks]`` each request's block table row, cut to the blocks the longest request reads.
+        length: Key positions read per request (the longest request's prefix plus nodes).
+        query_rows: ``[R, rows]`` flattened-batch rows of each request's non-root nodes; padding repeats a real row.
+        visible: ``[R, rows, length]`` each row's mask; padding rows see the first key only.
+        kept: ``[real rows]`` indices into the ``R * rows`` padded rows of the real ones, request by request.
+        output_rows: ``[real rows]`` the flattened-batch rows they are written to (``query_rows`` without padding).
+        beyond: ``[R, 1, length, 1]`` True at the positions past each request's own (whatever its blocks hold
+            there is zeroed: a masked key still multiplies its value by 0, and 0 * nan is nan); ``None`` when every
+            request reads all ``length``.
+    """
+
+    blocks: torch.Tensor
+    length: int
+    query_rows: torch.Tensor
+    visible: torch.Tensor
+    kept: torch.Tensor
+    output_rows: torch.Tensor
+    beyond: torch.Tensor | None
+
+
+def pad_tree_rows(
+    starts: list[int], visible: list[torch.Tensor], block_table: torch.Tensor, block_size: int
+) -> PaddedTreeRows:
+    """Pads the tree rows of ``R`` requests into one attention batch.
+
+    Args:
+        starts: Each request's root row in the flattened batch; its non-root nodes follow it.
+        visible: Each request's ``[N - 1, prefix + N]`` mask (:func:`tree_rows_mask`).
+        block_table: ``[R, max_blocks]`` the requests' block table rows.
+        block_size: Positions per KV block.
+    """
+    device = block_table.device
+    rows = max(mask.shape[0] for mask in visible)
+    length = max(mask.shape[1] for mask in visible)
+    padded = torch.zeros(len(visible), rows, length, dtype=torch.bool, device=device)
+    padded[:, :, 0] = True
+    query_rows = torch.empty(len(visible), rows, dtype=torch.long, device=device)
+    kept, output_rows = [], []
+    for index, (start, mask) in enumerate(zip(starts, visible)):
+        count, seen = mask.shape
+        padded[index, :count, :seen] = mask
+        own = torch.arange(start + 1, start + 1 + count, device=device)
+        query_rows[index] = own[-1]
+        query_rows[index, :count] = own
+        kept.append(torch.arange(index * rows, index * rows + count, device=device))
+        output_rows.append(own)
+    blocks = block_table[:, : -(-length // block_size)]
+    own_lengths = torch.tensor([mask.shape[1] for mask in visible], device=device)
+    beyond = None
+    if bool((own_lengths < length).any()):
+        beyond = (torch.arange(length, device=device) >= own_lengths[:, None])[:, None, :, None]
+    return PaddedTreeRows(blocks, length, query_rows, padded, torch.cat(kept), torch.cat(output_rows), beyond)
+
+
+def read_paged_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values stored at ``slots`` (``block * block_size + offset``), ``[slots, kv_heads, head_size]``
+    each: what :func:`gather_paged_kv` reads, slot by slot.
+
+    Args:
+        key_cache: ``[num_blocks, kv_heads, block_size, head_size]`` key half of a CPU backend cache.
+        value_cache: The value half, same shape.
+        slots: ``[n]`` cache slots.
+    """
+    num_blocks, kv_heads, block_size, head_size = key_cache.shape
+    blocks, offsets = slots // block_size, slots % block_size
+    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[blocks, :, :, offsets]
+    return keys, value_cache[blocks, :, offsets, :]
 
 
 def probe_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> None:
-    """Writes random KV with the CPU backend's own cache writer and checks :func:`gather_paged_kv` reads it back.
+    """Writes random KV with the CPU backend's own cache writer and checks that :func:`gather_paged_kv` and
+    :func:`read_paged_kv` read it back.
 
     Raises:
         RuntimeError: The backend stores this ISA / dtype / block size differently.
@@ -250,7 +333,13 @@ def probe_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: in
     slots = block_ids[positions // block_size] * block_size + positions % block_size
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
     read_keys, read_values = gather_paged_kv(key_cache, value_cache, block_ids, tokens)
-    if not (torch.equal(read_keys, keys.transpose(0, 1)) and torch.equal(read_values, values.transpose(0, 1))):
+    slot_keys, slot_values = read_paged_kv(key_cache, value_cache, slots)
+    if not (
+        torch.equal(read_keys, keys.transpose(0, 1))
+        and torch.equal(read_values, values.transpose(0, 1))
+        and torch.equal(slot_keys, keys)
+        and torch.equal(slot_values, values)
+    ):
         raise RuntimeError(
             f"vLLM's CPU attention backend stores KV differently for ISA {isa!r}, {dtype}, block size {block_size}, "
             f"head size {head_size} than specexec_hf.patches.vllm_tree reads it; tree verification cannot run here "
@@ -283,13 +372,11 @@ class StepTree:
 
 @dataclass
 class LayerRows:
-    """The tree rows' KV one attention layer wrote this step, kept for compaction."""
+    """One attention layer of this step: what compaction needs to move its KV (read back from its cache)."""
 
     impl: Any
     layer: Any
     kv_cache: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
 
 
 @dataclass
@@ -325,6 +412,7 @@ class TreeVerifier:
     proposed: dict[str, TokenTree] = field(default_factory=dict)
     step: list[StepTree] = field(default_factory=list)
     layers: dict[int, LayerRows] = field(default_factory=dict)
+    padded: PaddedTreeRows | None = None  # the step's tree rows as one batch, built by its first attention layer
     stats: TreeStats = field(default_factory=TreeStats)
     slot_mapping: torch.Tensor | None = None
     originals: dict[str, Callable] = field(default_factory=dict)
@@ -339,7 +427,7 @@ class TreeVerifier:
     def prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         """vLLM's ``_prepare_inputs``, then tree positions for the scheduled trees; arms the attention hook."""
         result = self.originals["_prepare_inputs"](scheduler_output, num_scheduled_tokens)
-        runner, self.step, self.layers = self.runner, [], {}
+        runner, self.step, self.layers, self.padded = self.runner, [], {}, None
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             tree = self.proposed.pop(req_id, None)
             if not drafts:
@@ -366,22 +454,25 @@ class TreeVerifier:
 
     def attend(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:  # fmt: skip
-        """Recomputes the tree rows of one layer's attention output and keeps their KV for compaction."""
+        """Recomputes the tree rows of one layer's attention output, all requests in one padded batch; the KV the
+        native kernel wrote for them stays in the cache for compaction."""
         num_blocks, kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        self.slot_mapping = metadata.slot_mapping  # one KV cache group (hybrid groups are refused)
-        rows = LayerRows(impl, layer, kv_cache, [], [])
-        for item in self.step:
-            count = item.tree.num_nodes
-            keys, values = gather_paged_kv(
-                key_cache, value_cache, metadata.block_table[item.row], item.prefix_length + count
-            )
-            nodes = slice(item.start + 1, item.start + count)
-            attended = tree_attention(query[nodes], keys, values, item.visible, impl.scale)
-            output[nodes] = attended.reshape(output[nodes].shape).to(output.dtype)
-            rows.keys.append(key[item.start : item.start + count].clone())
-            rows.values.append(value[item.start : item.start + count].clone())
-        self.layers[id(layer)] = rows
+        if self.padded is None:  # the block table and the rows are the same in every layer of the step
+            self.slot_mapping = metadata.slot_mapping  # one KV cache group (hybrid groups are refused)
+            rows = torch.tensor([item.row for item in self.step], device=metadata.block_table.device)
+            self.padded = pad_tree_rows(
+                [item.start for item in self.step], [item.visible for item in self.step],
+                metadata.block_table[rows], block_size,
+            )  # fmt: skip
+        padded = self.padded
+        keys, values = gather_paged_kv(key_cache, value_cache, padded.blocks, padded.length)
+        if padded.beyond is not None:
+            keys, values = keys.masked_fill(padded.beyond, 0), values.masked_fill(padded.beyond, 0)
+        attended = tree_attention(query[padded.query_rows], keys, values, padded.visible, impl.scale)
+        attended = attended.flatten(0, 1)[padded.kept]
+        output[padded.output_rows] = attended.reshape(-1, *output.shape[1:]).to(output.dtype)
+        self.layers[id(layer)] = LayerRows(impl, layer, kv_cache)
 
     def sample(self, logits: torch.Tensor | None, metadata: Any) -> Any:
         """vLLM's ``_sample`` when no tree is in the batch; else root tokens, tree walks and KV compaction."""
@@ -441,25 +532,23 @@ class TreeVerifier:
 
     def _compact(self, step: list[StepTree], paths: dict[int, list[int]]) -> None:
         """Rewrites the accepted nodes' KV into the slots right after each root, in every layer."""
-        moves = []
-        for index, item in enumerate(step):
+        sources, destinations = [], []
+        for item in step:
             path = paths[item.row]
             if path != list(range(1, len(path) + 1)):
-                moves.append((index, item, path))
-        if not moves:
-            self.layers = {}
+                sources.append(item.start + torch.tensor(path))
+                destinations.append(item.start + 1 + torch.arange(len(path)))
+        layers, self.layers = self.layers, {}
+        if not sources:
             return
-        for rows in self.layers.values():
-            sources_k, sources_v, slots = [], [], []
-            for index, item, path in moves:
-                sources_k.append(rows.keys[index][path])
-                sources_v.append(rows.values[index][path])
-                slots.append(item.start + 1 + torch.arange(len(path)))
-            destination = self.slot_mapping[torch.cat(slots)]
-            rows.impl.do_kv_cache_update(
-                rows.layer, torch.cat(sources_k), torch.cat(sources_v), rows.kv_cache, destination
-            )
-        self.layers = {}
+        source_slots = self.slot_mapping[torch.cat(sources).to(self.slot_mapping.device)].long()
+        destination = self.slot_mapping[torch.cat(destinations).to(self.slot_mapping.device)]
+        for rows in layers.values():
+            num_blocks, kv_heads, block_size, _ = rows.kv_cache.shape
+            key_cache, value_cache = rows.kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            # Every source is read before any slot is written (a destination can be another node's source).
+            keys, values = read_paged_kv(key_cache, value_cache, source_slots)
+            rows.impl.do_kv_cache_update(rows.layer, keys, values, rows.kv_cache, destination)
 
     def _count(self, step: list[StepTree], paths: dict[int, list[int]]) -> None:
         stats = self.stats

@@ -85,6 +85,73 @@ def test_paged_tree_attention_equals_dense_reference(case):
     assert_close_across_kernels(got.double(), expected, bound)
 
 
+@st.composite
+def step_batches(draw):
+    requests = draw(st.integers(1, 4))
+    trees = []
+    for _ in range(requests):
+        nodes = draw(st.integers(1, 8))
+        trees.append(([draw(st.integers(0, node)) for node in range(nodes)], draw(st.integers(0, 70))))
+    return {"trees": trees, "block_size": draw(st.sampled_from([16, 32])), "seed": draw(st.integers(0, 2**16))}
+
+
+@given(step_batches())
+def test_padded_batch_attends_as_each_request_alone(case):
+    """A step's tree requests padded into one attention call per layer (their blocks shuffled in one cache whose
+    unused slots hold NaN) give each request's rows what attending over that request alone gives, written to its own
+    rows; read_paged_kv reads back each slot the cache writer wrote."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    generator = torch.Generator().manual_seed(case["seed"])
+    block_size, kv_heads, heads, head_size = case["block_size"], 2, 6, 32
+    trees = [(_random_tree(parents), prefix) for parents, prefix in case["trees"]]
+    lengths = [prefix + tree.num_nodes for tree, prefix in trees]
+    blocks_each = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(blocks_each) + 1
+    order = torch.randperm(num_blocks, generator=generator)
+    cache = torch.full((num_blocks, kv_heads, 2 * block_size, head_size), float("nan"))
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    table = torch.zeros(len(trees), max(blocks_each) + 1, dtype=torch.int32)
+    starts, visible, slots_each = [], [], []
+    used, start = 0, 0
+    isa = _get_attn_isa(torch.float32, block_size, head_size)
+    for index, ((tree, prefix), length, count) in enumerate(zip(trees, lengths, blocks_each)):
+        table[index, :count] = order[used : used + count]
+        used += count
+        positions = torch.arange(length)
+        slots = table[index, positions // block_size].long() * block_size + positions % block_size
+        keys = torch.randn(length, kv_heads, head_size, generator=generator)
+        values = torch.randn(length, kv_heads, head_size, generator=generator)
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+        read_keys, read_values = vllm_tree.read_paged_kv(key_cache, value_cache, slots)
+        assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+        starts.append(start)
+        visible.append(vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix))
+        slots_each.append(slots)
+        start += tree.num_nodes + 1  # a non-tree row between requests, which the batch must not write
+    query = torch.randn(start, heads, head_size, generator=generator)
+    scale = head_size**-0.5
+    padded = vllm_tree.pad_tree_rows(starts, visible, table, block_size)
+    keys, values = vllm_tree.gather_paged_kv(key_cache, value_cache, padded.blocks, padded.length)
+    if padded.beyond is not None:
+        keys, values = keys.masked_fill(padded.beyond, 0), values.masked_fill(padded.beyond, 0)
+    got = vllm_tree.tree_attention(query[padded.query_rows], keys, values, padded.visible, scale)
+    got = got.flatten(0, 1)[padded.kept]
+    expected_rows = []
+    for index, ((tree, prefix), length) in enumerate(zip(trees, lengths)):
+        alone_keys, alone_values = vllm_tree.gather_paged_kv(key_cache, value_cache, table[index], length)
+        rows = slice(starts[index] + 1, starts[index] + tree.num_nodes)
+        expected_rows.append(vllm_tree.tree_attention(query[rows], alone_keys, alone_values, visible[index], scale))
+    expected = torch.cat(expected_rows)
+    assert padded.output_rows.tolist() == [
+        row for first, (tree, _) in zip(starts, trees) for row in range(first + 1, first + tree.num_nodes)
+    ]
+    assert not got.isnan().any()
+    bound = rounding_bound(torch.float32, reduction=max(head_size, max(lengths)))
+    assert_close_across_kernels(got.double(), expected.double(), bound)
+
+
 def test_tree_rows_mask_sees_prefix_ancestors_and_self():
     tree = _random_tree([0, 0, 1, 2])  # root -> 1, 2; 1 -> 3; 2 -> 4
     visible = vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix_length=2)
@@ -266,6 +333,25 @@ def test_tree_verification_setting():
     assert ProposerSettings.from_sources({"draft_model": "d", "tree_verification": True}, {}).tree_verification
     with pytest.raises(ValueError, match="tree_verification='maybe' is not"):
         ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_VERIFICATION": "maybe"})
+
+
+def test_draft_vocab_setting(tmp_path):
+    """draft_vocab names a JSON list of token ids (JSON or SPECEXEC_DRAFT_VOCAB); other files are refused, naming
+    the problem."""
+    from specexec_hf.integrations.vllm import ProposerSettings, read_token_ids
+
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text("[5, 1, 3]")
+    assert ProposerSettings.from_sources({"draft_model": "d"}, {}).draft_vocab is None
+    settings = ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_DRAFT_VOCAB": str(vocab)})
+    assert settings.draft_vocab == str(vocab)
+    assert read_token_ids(settings.draft_vocab).tolist() == [5, 1, 3]
+    with pytest.raises(ValueError, match="is not a file"):
+        ProposerSettings.from_sources({"draft_model": "d", "draft_vocab": str(tmp_path / "missing.json")}, {})
+    for bad in ("[]", '{"ids": [1]}', "[1, -2]", "[1.5]"):
+        vocab.write_text(bad)
+        with pytest.raises(ValueError, match="non-empty JSON list of non-negative token ids"):
+            read_token_ids(str(vocab))
 
 
 class _FakeRunner:
