@@ -43,7 +43,7 @@ from typing import Any
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, so its parts can be timed
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as the serving benchmark's servers
 
-from vllm_acceptance import speculative_config  # noqa: E402
+from vllm_acceptance import proposer_stats, speculative_config  # noqa: E402
 from vllm_serving import PROMPTS, shipped_draft_vocab  # noqa: E402
 
 PARTS = ("step", "schedule", "prepare", "forward", "read wait", "attn native", "attn tree", "logits", "sample",
@@ -149,16 +149,10 @@ def instrument(llm: Any, clock: StepClock) -> None:
 
 def speculation_counters(llm: Any) -> dict[str, float]:
     """The SpecExec proposer's and tree verifier's running totals (empty for other methods)."""
-    from dataclasses import asdict
-
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    drafter = getattr(runner, "drafter", None)
-    if drafter is None or not hasattr(drafter, "stats"):
+    if not hasattr(getattr(runner, "drafter", None), "stats"):
         return {}
-    counters = asdict(drafter.stats)
-    if getattr(drafter, "tree_verifier", None) is not None:
-        counters.update({f"tree_{k}": v for k, v in asdict(drafter.tree_verifier.stats).items()})
-    return counters
+    return llm.collective_rpc(proposer_stats)[0]
 
 
 def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
