@@ -178,6 +178,7 @@ def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[s
     if cap is None:
         return {"capped": False}
     gc.collect()
+    cap.reclaim()  # files earlier sections wrote or read stay charged as page cache: not the process's own memory
     base = cap.usage()
     limit = base + int(fraction * weights_bytes)
     cap.limit(limit)
