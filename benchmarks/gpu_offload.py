@@ -26,8 +26,14 @@ Sections, in the order they run (each one is skipped, with the reason recorded, 
    pair's draft forwards per tree); plain offloaded generate() and HF assisted computed the same way. Then the
    paper's and UMbreLLa's published figures, normalised by link speed as tokens per weight-stream time.
 6. **Largest bf16 shape the host holds** (section ``largest``), stream executor only.
+7. **The SSD tier** (section ``disk``): a random-weight bf16 checkpoint of the Llama-3.2-1B shape (2.5 GB) written
+   to the machine's own disk (``--disk-dir``, else the first of $TMPDIR, /tmp, /var/tmp with room and ``O_DIRECT``),
+   the disk's direct-read bound measured on it (best of up to 3 cold whole-file reads, ``loaders.disk_bound``),
+   then the model loaded with every decoder layer on disk and timed by the stream executor over 1, 16, 64 and 256
+   tokens: disk -> pinned staging (direct reads) -> GPU. Seconds, GB/s and share of the bound; the checkpoint is
+   deleted afterwards.
 
-``--sections`` picks sections 1-4 and 6 (default: all); the projection is remade from whatever the report holds
+``--sections`` picks sections 1-4, 6 and 7 (default: all); the projection is remade from whatever the report holds
 each time it is written. The report (gpu_offload.json, .md, .png in ``--out``) is written after every section, so a
 section that fails or is killed loses only its own figures: a section that started and never finished says so.
 ``--merge`` starts from earlier reports (e.g. one per device call, see ``scripts/gpu_check``): their sections are
@@ -35,24 +41,27 @@ kept, and the projection combines them.
 
 The random-weight models are made in this process: nothing is downloaded; each shape's weights are built once and
 shared by the executors measured on it. ``--tiny`` runs the same sections on a CPU (tiny shapes; for the stream
-executor ``OrderCheckingDevice`` stands in for the GPU, for accelerate the layers go to disk; a host memcpy stands
-in for the link; the end to end section on the synthetic pair of ``benchmarks/synthetic_models.py`` unless
-``--pair`` says otherwise): it checks the code paths, its figures mean nothing.
+executor, in the disk section too, ``OrderCheckingDevice`` stands in for the GPU; for accelerate the layers go to
+disk; a host memcpy stands in for the link; the end to end section on the synthetic pair of
+``benchmarks/synthetic_models.py`` unless ``--pair`` says otherwise): it checks the code paths, its figures mean
+nothing.
 
 Run: python benchmarks/gpu_offload.py --out DIR [--tiny] [--sections ...] [--merge FILE ...] [--time-budget 330]
-     [--layers N] [--pair auto]
+     [--layers N] [--pair auto] [--disk-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import itertools
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,6 +81,7 @@ from specexec_hf.offload import (
     CudaDevice,
     DeviceLayerStreamer,
     OrderCheckingDevice,
+    StreamDevice,
     layer_streamer,
     load_offloaded,
     offload_device_map,
@@ -80,11 +90,13 @@ from specexec_hf.offload import (
 from specexec_hf.tools.bench import ForwardMeter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic_models import make_tiny_pair  # a sibling script, not a package
+from loaders import disk_bound  # sibling scripts, not a package
+from memory_cap import cached_bytes, evict
+from synthetic_models import make_tiny_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
-SECTIONS = ("link", "forward", "draft", "end_to_end", "largest")
+SECTIONS = ("link", "forward", "draft", "end_to_end", "largest", "disk")
 # An offloaded target's greedy tokens may leave the in-memory ones where the in-memory model's top two logits
 # differ by rounding only (other kernels, other summation order): such a divergence is reported, not failed.
 ROUNDING_LOGIT_MARGIN = 1e-2
@@ -317,13 +329,27 @@ def quantize_layers(model: torch.nn.Module, weights: str) -> None:
     quanto.freeze(model)
 
 
+def layers_placed(model: torch.nn.Module, where: str) -> dict[str, int | str]:
+    """A placement per weight unit: the decoder layers and head at ``where`` (``"cpu"`` or ``"disk"``), every other
+    unit resident on the execution device.
+
+    Args:
+        model: The model, possibly on the meta device.
+        where: Where the streamed units are placed.
+    """
+    return {name: (where if name.startswith("model.layers") or name == "lm_head" else 0)
+            for name in offload_device_map(model, None)}  # fmt: skip
+
+
+def stream_device(device: torch.device) -> StreamDevice:
+    """The stream executor's device operations: CUDA's on a GPU; on a CPU ``OrderCheckingDevice`` stands in."""
+    return CudaDevice(device.index or 0) if device.type == "cuda" else OrderCheckingDevice()
+
+
 def streamed_layers(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``model`` on ``device`` with the stream executor: the embedding and final norm resident, the decoder layers
     and head in CPU RAM, streamed (``OrderCheckingDevice`` stands in for a GPU on a CPU)."""
-    device_map = {name: ("cpu" if name.startswith("model.layers") or name == "lm_head" else 0)
-                  for name in offload_device_map(model, None)}  # fmt: skip
-    operations = CudaDevice(device.index or 0) if device.type == "cuda" else OrderCheckingDevice()
-    return stream_on_device(model, device_map, operations)
+    return stream_on_device(model, layers_placed(model, "cpu"), stream_device(device))
 
 
 def gpu_budget_bytes(model: torch.nn.Module) -> int:
@@ -363,9 +389,10 @@ def forward_times(
 
     One 1-token warm-up first (allocations, kernel selection). A token count whose repeats would not fit in the
     time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead landed, as
-    it has after the draft grew its tree) and ends when its compute is done: copies it issued for the next forward
-    are not its time.
+    it has after the draft grew its tree: disk reads on the streamer's reader thread included) and ends when its
+    compute is done: copies it issued for the next forward are not its time.
     """
+    streamer = layer_streamer(model)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, max(token_counts)), generator=torch.Generator().manual_seed(1)).to(device)
     seconds: dict[str, float] = {}
@@ -382,6 +409,8 @@ def forward_times(
                 continue
             times = []
             for _ in range(repeats):
+                if streamer is not None:
+                    streamer.wait_idle()
                 synchronize(device)
                 started = time.perf_counter()
                 model(input_ids=ids[:, :tokens], use_cache=False, logits_to_keep=tokens)
@@ -478,8 +507,25 @@ def measure_executor(
     offload_dir: Path,
 ) -> dict[str, Any]:
     """Places ``built`` under ``executor`` and times its forwards; its copy of the model is freed on return."""
+    return measure_placed(lambda: placed_target(executor, built, device, offload_dir, args.weights), executor, args,
+                          device, deadline)
+
+
+def measure_placed(
+    place: Callable[[], torch.nn.Module], executor: str, args: argparse.Namespace, device: torch.device,
+    deadline: Deadline,
+) -> dict[str, Any]:
+    """Times ``place()`` (the load) and the forwards of the model it returns, which is freed on return.
+
+    Args:
+        place: Loads the model, run by ``executor``.
+        executor: The executor's name, for the bytes it streams (:func:`streamed_bytes_per_timed_forward`).
+        args: ``token_counts``, ``repeats`` and ``weights``, as the command line gives them.
+        device: Where the model computes.
+        deadline: Token counts that would not fit in the time left are skipped.
+    """
     started = time.perf_counter()
-    model = placed_target(executor, built, device, offload_dir, args.weights)
+    model = place()
     load_seconds = time.perf_counter() - started
     try:
         entry = executor_figures(model, executor, args, device, deadline)
@@ -503,6 +549,7 @@ def executor_figures(
     entry["streamed_bytes"] = streamed_bytes_per_timed_forward(model, executor, args.weights)
     if isinstance(streamer, DeviceLayerStreamer):
         entry["stream_buffer_bytes"] = streamer.buffer_bytes
+        entry["pinned_host_bytes"] = streamer.host_bytes
         entry["read_ahead_bytes"] = streamer.read_ahead_bytes
     repeats = args.repeats if executor != "accelerate" else max(1, args.repeats - 1)
     entry.update(forward_times(model, args.token_counts, repeats, device, deadline))
@@ -546,9 +593,7 @@ def measure_shape(
         entry["status"] = "measured"
         streamed = entry["streamed_bytes"]
         if streamed:
-            entry["achieved_gbps"] = {n: streamed / s / GB for n, s in entry["seconds"].items()}
-            if math.isfinite(link_gbps):
-                entry["share_of_pinned_link"] = {n: rate / link_gbps for n, rate in entry["achieved_gbps"].items()}
+            add_bandwidth(entry, link_gbps, "share_of_pinned_link")
         # Extrapolation to the whole shape: a streamed forward by its streamed bytes (bandwidth-bound), a resident
         # one by its parameter bytes (compute grows with the layers).
         scale = (full_bytes - (built_bytes - streamed)) / streamed if streamed else full_bytes / built_bytes
@@ -562,6 +607,14 @@ def measure_shape(
     collect(device)
     result["goals"] = forward_goals(result)
     return result
+
+
+def add_bandwidth(entry: dict[str, Any], bound_gbps: float | None, share_key: str) -> None:
+    """Adds an entry's achieved GB/s per token count (its streamed bytes over its forward seconds) and, where the
+    bound is known, each as a share of it under ``share_key``."""
+    entry["achieved_gbps"] = {n: entry["streamed_bytes"] / s / GB for n, s in entry["seconds"].items()}
+    if bound_gbps is not None and math.isfinite(bound_gbps):
+        entry[share_key] = {n: rate / bound_gbps for n, rate in entry["achieved_gbps"].items()}
 
 
 def forward_goals(shape_result: dict[str, Any]) -> dict[str, float]:
@@ -952,6 +1005,147 @@ def published_comparison(projection: dict[str, Any], shape_result: dict[str, Any
     return rows
 
 
+# 7. The SSD tier -----------------------------------------------------------------------------------------------------
+
+DISK_SHAPE = DRAFT_SHAPES["llama-1b"]  # 2.5 GB in bf16: long enough a file for the bound, quick to write and stream
+DISK_TOKEN_COUNTS = [1, 16, 64, 256]
+DISK_BOUND_READS = 3  # the bound is the best of this many cold reads, as time allows
+DISK_SLACK = GB  # free space left on the disk beside the checkpoint
+
+
+def disk_folders(chosen: Path | None) -> list[Path]:
+    """Where the disk section may write its checkpoint: ``chosen``, else $TMPDIR, /tmp and /var/tmp."""
+    if chosen is not None:
+        return [chosen]
+    return list(dict.fromkeys(Path(p) for p in (os.environ.get("TMPDIR"), "/tmp", "/var/tmp") if p))
+
+
+def accepts_direct_reads(folder: Path) -> bool:
+    """Whether ``folder``'s filesystem opens a file for ``O_DIRECT`` reads (tmpfs and some network ones refuse)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    with tempfile.NamedTemporaryFile(dir=folder) as probe:
+        try:
+            os.close(os.open(probe.name, os.O_RDONLY | os.O_DIRECT))
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            return False
+    return True
+
+
+def disk_folder(candidates: list[Path], needed: int) -> tuple[Path, bool]:
+    """The first of ``candidates`` with room for ``needed`` bytes plus ``DISK_SLACK`` that allows direct reads, else
+    the first with room; and whether it allows them.
+
+    Raises:
+        OSError: ``ENOSPC``: no candidate has the room (each one's free bytes named), before anything is written.
+    """
+    free: dict[Path, int | str] = {}
+    for folder in candidates:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            free[folder] = shutil.disk_usage(folder).free
+        except OSError as error:
+            free[folder] = error.strerror or str(error)
+    roomy = [folder for folder, room in free.items() if isinstance(room, int) and room >= needed + DISK_SLACK]
+    if not roomy:
+        found = "; ".join(f"{folder}: {room / GB:.1f} GB free" if isinstance(room, int) else f"{folder}: {room}"
+                          for folder, room in free.items())
+        raise OSError(errno.ENOSPC, f"The disk section writes a {needed / GB:.1f} GB checkpoint and keeps "
+                      f"{DISK_SLACK / GB:.0f} GB free beside it, but no folder has that room ({found}): pass "
+                      "--disk-dir on a larger disk")
+    direct = next((folder for folder in roomy if accepts_direct_reads(folder)), None)
+    return (direct, True) if direct is not None else (roomy[0], False)
+
+
+def disk_streamed_target(
+    checkpoint: Path, skeleton: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """``checkpoint``'s model with every decoder layer on disk, run by the stream executor (free it with
+    :func:`release`).
+
+    On a GPU through ``load_offloaded`` with a GPU budget that holds the embedding only and no CPU RAM, as a user
+    would load it; on a CPU ``OrderCheckingDevice`` stands in for the GPU, with the layers and head on disk.
+
+    Raises:
+        RuntimeError: A decoder layer was placed elsewhere than on disk.
+    """
+    if device.type == "cuda":
+        budget = {device.index or 0: gpu_budget_bytes(skeleton), "cpu": 0}
+        model = load_offloaded(checkpoint, max_memory=budget, executor="stream", dtype=dtype)
+    else:
+        model = stream_on_device(checkpoint, layers_placed(skeleton, "disk"), stream_device(device), dtype=dtype)
+    elsewhere = {name: where for name, where in model.hf_device_map.items()
+                 if name.startswith("model.layers.") and where != "disk"}  # fmt: skip
+    if elsewhere:
+        release(model)
+        raise RuntimeError(f"decoder layers placed elsewhere than on disk: {elsewhere}")
+    return model
+
+
+def disk_tier(
+    shape: LlamaShape, args: argparse.Namespace, device: torch.device, deadline: Deadline, folders: list[Path]
+) -> dict[str, Any]:
+    """The SSD tier: ``shape``'s random-weight checkpoint written to the first of ``folders`` with room, the disk's
+    direct-read bound on it, then forward seconds vs tokens with every decoder layer streamed from it by the stream
+    executor (disk -> pinned staging by direct reads -> the device). The checkpoint is deleted on return.
+
+    Args:
+        shape: The model's shape (bf16 on a GPU, float32 on a CPU).
+        args: ``repeats`` per token count (:data:`DISK_TOKEN_COUNTS`).
+        device: Where the model computes.
+        deadline: Bound reads after the first, and token counts, that would not fit in the time left are skipped.
+        folders: Candidate folders on the machine's own disk (:func:`disk_folders`).
+    """
+    from ssd import write_random_checkpoint  # ssd.py imports this script: imported once both are loaded
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(shape.config()).to(dtype)
+    skeleton.tie_weights()  # tied weights count once, as in the checkpoint
+    folder, direct = disk_folder(folders, shape.parameter_bytes(dtype))
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_offload_disk_", dir=folder))
+    result: dict[str, Any] = {"shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."),
+                              "folder": str(folder), "checkpoint": str(scratch), "direct_reads": direct}
+    try:
+        started = time.perf_counter()
+        weights = write_random_checkpoint(shape, dtype, scratch) / "model.safetensors"  # written, then evicted
+        size = weights.stat().st_size
+        result.update(checkpoint_bytes=size, write_seconds=time.perf_counter() - started)
+        if not direct:
+            result["warning"] = (f"{folder} refuses O_DIRECT: the layers were read through the page cache, so the "
+                                 "figures are not the disk's, and no bound was measured")
+        else:
+            runs = [disk_bound(weights)["gb_per_s"]]
+            while len(runs) < DISK_BOUND_READS and deadline.allows(3 * size / (runs[-1] * GB) + 30):
+                runs.append(disk_bound(weights)["gb_per_s"])
+            # Pages left cached by "direct" reads mean the platform serves them from memory (a sandboxed kernel,
+            # say): then no figure here is the disk's, and the report says so.
+            cached = cached_bytes(weights)
+            result["bound"] = {"gbps": max(runs), "gbps_runs": runs, "page_cache_bytes_after": cached,
+                               "how": "best of cold whole-file direct reads (benchmarks/loaders.py disk_bound)"}
+            if cached > size // 10:
+                result["warning"] = (f"direct reads left {cached / GB:.2f} GB of the checkpoint in the page cache: "
+                                     "O_DIRECT is not honoured here, the figures may be memory's, not the disk's")
+        evict(weights)
+        timed = argparse.Namespace(weights=None, repeats=args.repeats, token_counts=DISK_TOKEN_COUNTS)
+        entry = measure_placed(lambda: disk_streamed_target(weights.parent, skeleton, device, dtype), "stream",
+                               timed, device, deadline)
+        add_bandwidth(entry, result.get("bound", {}).get("gbps"), "share_of_disk_bound")
+        result.update(entry, status="measured")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["checkpoint_deleted"] = not scratch.exists()  # for the report: the machine's disk is left as found
+    shares = result.get("share_of_disk_bound")
+    if shares:  # issue #32: disk -> pinned staging -> GPU at the disk's direct-read bandwidth
+        result["goals"] = {"stream from disk: lowest share of the disk's direct-read bound, 1-256 tokens": min(
+            shares.values())}
+    print(f"  disk tier, {shape.name}: {result.get('seconds')}, bound {result.get('bound', {}).get('gbps')}",
+          flush=True)
+    return result
+
+
 # Report -------------------------------------------------------------------------------------------------------------
 
 
@@ -968,6 +1162,34 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict[str, Any
         properties = torch.cuda.get_device_properties(device)
         info.update(gpu=properties.name, gpu_memory_bytes=properties.total_memory, cuda=torch.version.cuda)
     return info
+
+
+def disk_markdown(disk: dict[str, Any] | None) -> list[str]:
+    """The disk section's lines of the report (none before it ran)."""
+    if not disk or "seconds" not in disk:
+        return []
+    bound = disk.get("bound")
+    bound_text = (f"its direct-read bound {bound['gbps']:.2f} GB/s (best of "
+                  f"{', '.join(f'{rate:.2f}' for rate in bound['gbps_runs'])}: {bound['how']})" if bound
+                  else f"**no bound: {disk.get('warning', 'not measured')}**")
+    lines = [f"## SSD tier: {disk['shape']['name']} {disk['dtype']}, every decoder layer on disk, stream executor", "",
+             f"Random weights, {disk['checkpoint_bytes'] / GB:.2f} GB checkpoint written to {disk['folder']} in "
+             f"{disk['write_seconds']:.1f} s (deleted afterwards: {disk['checkpoint_deleted']}); {bound_text}. A timed "
+             f"forward reads {disk['streamed_bytes'] / GB:.2f} GB from disk (less what the previous forward read "
+             f"ahead) into {disk['pinned_host_bytes'] / 2**20:.0f} MiB of pinned staging and copies it to a "
+             f"{disk['stream_buffer_bytes'] / 2**20:.0f} MiB ring on the device; load {disk['load_seconds']:.1f} s.",
+             "",
+             "| tokens | forward seconds (median) | GB/s from disk | share of the disk bound |",
+             "|---:|---:|---:|---:|"]
+    shares = disk.get("share_of_disk_bound", {})
+    for tokens, seconds in disk["seconds"].items():
+        share = f"{100 * shares[tokens]:.0f}%" if tokens in shares else ""
+        lines.append(f"| {tokens} | {seconds:.3f} | {disk['achieved_gbps'][tokens]:.2f} | {share} |")
+    skipped = disk.get("skipped_token_counts")
+    lines += ([""] + [f"- {name}: {value:.2f}" for name, value in disk.get("goals", {}).items()]
+              + ([f"- skipped for time: {skipped} tokens"] if skipped else [])
+              + ([f"- **{disk['warning']}**"] if "warning" in disk and bound else []) + [""])
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -1023,6 +1245,7 @@ def markdown(report: dict[str, Any]) -> str:
             else:
                 lines.append(f"| {budget} | {row['status']} | | |")
         lines.append("")
+    lines += disk_markdown(report.get("disk"))
     e2e = report.get("end_to_end")
     if e2e and "executors" in e2e:
         lines += [f"## End to end: {e2e['pair']}, target layers offloaded, {e2e['prompts']} prompt(s) x "
@@ -1143,7 +1366,7 @@ def merged_reports(paths: list[Path]) -> dict[str, Any]:
             report[key] += earlier.get(key, [])
         for shape_result in earlier.get("shapes", []):
             add_shape(report, shape_result)
-        for key in ("link", "draft", "end_to_end"):
+        for key in ("link", "draft", "end_to_end", "disk"):
             if earlier.get(key):
                 report[key] = earlier[key]
     return report
@@ -1231,6 +1454,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-mib", type=int, default=1024, help="bytes per timed link copy, in MiB")
     parser.add_argument("--weights", choices=QUANTIZED_WEIGHTS, default=None,
                         help="quantize the decoder layers (optimum-quanto) and stream the packed weights")
+    parser.add_argument("--disk-dir", type=Path, default=None,
+                        help="where the disk section writes its checkpoint (default: the first of $TMPDIR, /tmp, "
+                        "/var/tmp with room, preferring one that allows O_DIRECT)")
     args = parser.parse_args(argv)
     deadline = Deadline(args.time_budget)
     torch.set_num_threads(min(8, os.cpu_count() or 1) if not args.tiny else 1)
@@ -1289,6 +1515,12 @@ def main(argv: list[str] | None = None) -> int:
         report["end_to_end"] = end_to_end(pair, [e for e in executors if e in ("stream", "accelerate")],
                                           args.budgets, args.max_new_tokens, device, deadline, workdir)
 
+    def disk_section() -> None:
+        report["disk"] = disk_tier(shape if args.tiny else DISK_SHAPE, args, device, deadline,
+                                   disk_folders(args.disk_dir))
+        if "warning" in report["disk"]:
+            report["notes"].append(f"disk: {report['disk']['warning']}")
+
     work = {
         "link": lambda: report.update(link=link_bandwidth(device, args.link_mib << 20, args.repeats + 2)),
         "forward": lambda: forward(shape, layers, executors),
@@ -1296,6 +1528,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           args.repeats, device, deadline)),
         "end_to_end": end_to_end_section,
         "largest": largest,
+        "disk": disk_section,
     }
     labels = {"forward": f"forward {shape.name} x{layers} layers", "largest": "largest bf16 shape",
               "end_to_end": "end to end"}

@@ -4,6 +4,7 @@ the arithmetic. scripts/gpu_check itself is rehearsed by scripts/gpu_rehearse (s
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 from pathlib import Path
@@ -48,6 +49,60 @@ def test_tiny_run_measures_every_section_and_writes_its_report(tiny_run):
     assert report["errors"] == []
     markdown = (out / "gpu_offload.md").read_text()
     assert "## End to end" in markdown and "## Projected tokens/s" in markdown and "not normalised" in markdown
+    assert "## SSD tier" in markdown
+
+
+def test_the_disk_section_streams_every_layer_from_a_checkpoint_it_wrote_and_then_deleted(tiny_run):
+    """disk -> pinned staging (direct reads) -> device, the stand-in device on a CPU; shares of the disk's bound."""
+    disk = tiny_run[2]["disk"]
+    assert disk["status"] == "measured" and set(disk["seconds"]) == {"1", "16", "64", "256"}
+    with torch.device("meta"):
+        skeleton = gpu_offload.LlamaForCausalLM(gpu_offload.SHAPES["tiny"].config())
+    assert disk["placement_bytes"]["disk"] >= sum(p.nbytes for p in skeleton.model.layers.parameters())
+    assert 0 < disk["streamed_bytes"] and disk["pinned_host_bytes"] > 0  # staging for the direct reads
+    assert Path(disk["checkpoint"]).parent == Path(disk["folder"]) and not Path(disk["checkpoint"]).exists()
+    if disk["direct_reads"]:
+        assert disk["bound"]["gbps"] == max(disk["bound"]["gbps_runs"]) > 0
+        assert set(disk["share_of_disk_bound"]) == set(disk["seconds"])
+        assert min(disk["share_of_disk_bound"].values()) == next(iter(disk["goals"].values()))
+    else:
+        assert "refuses O_DIRECT" in disk["warning"] and "share_of_disk_bound" not in disk
+
+
+def test_a_disk_without_direct_reads_gives_figures_labelled_as_not_the_disk_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: False)
+    result = gpu_offload.disk_tier(gpu_offload.SHAPES["tiny"], argparse.Namespace(repeats=1), torch.device("cpu"),
+                                   gpu_offload.Deadline(120), [tmp_path])
+    assert result["status"] == "measured" and not result["direct_reads"] and "refuses O_DIRECT" in result["warning"]
+    assert "bound" not in result and "share_of_disk_bound" not in result and "goals" not in result
+    assert list(tmp_path.iterdir()) == []  # the checkpoint was deleted
+
+
+def test_the_disk_folder_is_the_first_with_room_preferring_direct_reads_and_none_is_refused_before_writing(
+    tmp_path, monkeypatch
+):
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: folder == second)
+    assert gpu_offload.disk_folder([first, second], 1 << 20) == (second, True)
+    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: False)
+    assert gpu_offload.disk_folder([first, second], 1 << 20) == (first, False)
+    with pytest.raises(OSError, match="no folder has that room") as refused:
+        gpu_offload.disk_folder([first], 1 << 60)
+    assert refused.value.errno == errno.ENOSPC and f"{first}: " in str(refused.value)
+    assert list(first.iterdir()) == []
+
+
+def test_each_timed_forward_starts_once_the_streamer_s_reads_have_landed():
+    """A disk read still running on the reader thread would otherwise be counted in the next forward's time."""
+    model = gpu_offload.streamed_layers(gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32),
+                                        torch.device("cpu"))
+    streamer = gpu_offload.layer_streamer(model)
+    waits = []
+    wait_idle = streamer.wait_idle
+    streamer.wait_idle = lambda: (waits.append(1), wait_idle())
+    timed = gpu_offload.forward_times(model, [1, 4], 2, torch.device("cpu"), gpu_offload.Deadline(60))
+    streamer.close()
+    assert set(timed["seconds"]) == {"1", "4"} and len(waits) == 4
 
 
 def test_a_streamed_forward_counts_the_bytes_it_moves_itself_not_its_read_ahead(tiny_run):
@@ -87,11 +142,13 @@ def test_each_section_writes_the_report_and_a_failing_one_loses_only_its_own_fig
 
 def test_later_runs_merge_earlier_reports_and_project_from_all_of_them(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    assert gpu_offload.main(["--tiny", "--out", str(first), "--sections", "link", "forward", "draft"]) == 0
+    assert gpu_offload.main(["--tiny", "--out", str(first), "--sections", "link", "forward", "draft", "disk",
+                             "--disk-dir", str(tmp_path / "disk")]) == 0
     assert gpu_offload.main(["--tiny", "--out", str(second), "--sections", "end_to_end",
                              "--merge", str(first / "gpu_offload.json"), str(tmp_path / "absent.json")]) == 0
     report = json.loads((second / "gpu_offload.json").read_text())
-    assert set(report["sections"]) == {"link", "forward tiny Llama x4 layers", "draft", "end to end"}
+    assert set(report["sections"]) == {"link", "forward tiny Llama x4 layers", "draft", "disk", "end to end"}
+    assert report["disk"]["status"] == "measured" and "## SSD tier" in (second / "gpu_offload.md").read_text()
     assert len(report["shapes"]) == 1 and len(report["runs"]) == 2
     assert report["projections"][0]["rates_source"].startswith("this run, end to end")
 

@@ -64,11 +64,17 @@ def test_prepare_splits_the_gguf_into_parts_that_fit_a_call_and_carries_the_read
     assert all(sum(f.stat().st_size for f in (tmp_path / k).rglob("*") if f.is_file()) < 40 << 20 for k in "123")
 
 
-def call_results(folder: Path, sections: dict, junit: str | None = None, errors: list | None = None) -> Path:
+def call_results(
+    folder: Path, sections: dict, junit: str | None = None, errors: list | None = None, figures: dict | None = None
+) -> Path:
+    """A call's result files; ``figures`` (default: some for each section done) are the report's results."""
     folder.mkdir()
     for name in gpu_rehearse.ALWAYS_WRITTEN:
         (folder / name).write_text("")
-    (folder / "gpu_offload.json").write_text(json.dumps({"sections": sections, "errors": errors or []}))
+    if figures is None:
+        figures = {gpu_rehearse.results_key(name): {"figure": 1.0} for name, section in sections.items()
+                   if section["status"] == "done"}
+    (folder / "gpu_offload.json").write_text(json.dumps({"sections": sections, "errors": errors or [], **figures}))
     if junit is not None:
         (folder / "pytest.log").write_text("")
         (folder / "pytest_junit.xml").write_text(junit)
@@ -98,3 +104,20 @@ def test_the_checks_pass_complete_results_and_catch_each_kind_of_broken_ones(tmp
     for index in range(4):
         (crowded / f"extra{index}.log").write_text("")
     assert "more than 7" in gpu_rehearse.check_call(1, crowded, 0, 0)[0]
+    disk = {"disk": {"status": "done"}}
+    assert gpu_rehearse.check_call(2, call_results(tmp_path / "disk", disk), 0, 0) == []
+    empty = call_results(tmp_path / "empty", disk, figures={})
+    assert gpu_rehearse.check_call(2, empty, 0, 0) == [
+        "call 2: benchmark section disk is done but its figures (disk) are not in gpu_offload.json"]
+
+
+def test_the_last_call_s_merged_report_must_hold_every_section(tmp_path):
+    every = {"link": "done", "forward Llama-3-8B x32 layers": "done", "draft": "done", "end to end": "done",
+             "largest bf16 shape": "done", "disk": "done"}
+    complete = call_results(tmp_path / "complete", {name: {"status": status} for name, status in every.items()})
+    assert gpu_rehearse.missing_sections(complete / "gpu_offload.json") == []
+    every.update(disk="started, never finished (killed at its time limit, or crashed)")
+    del every["draft"]
+    partial = call_results(tmp_path / "partial", {name: {"status": status} for name, status in every.items()})
+    assert gpu_rehearse.missing_sections(partial / "gpu_offload.json") == ["draft", "disk"]
+    assert gpu_rehearse.missing_sections(tmp_path / "absent.json") == list(gpu_rehearse.SECTION_RESULTS)
