@@ -1038,6 +1038,10 @@ def disk_folder(candidates: list[Path], needed: int) -> tuple[Path, bool]:
     """The first of ``candidates`` with room for ``needed`` bytes plus ``DISK_SLACK`` that allows direct reads, else
     the first with room; and whether it allows them.
 
+    Args:
+        candidates: Folders in order of preference (made when missing).
+        needed: Bytes the checkpoint will take.
+
     Raises:
         OSError: ``ENOSPC``: no candidate has the room (each one's free bytes named), before anything is written.
     """
