@@ -16,6 +16,7 @@ from specexec_hf import SpecExecConfig, SpecExecStats, TokenTree
 from specexec_hf.core.search import SearchPolicy, SearchResult, grow_tree, tree_policy
 from specexec_hf.core.static_trees import PRIOR_ACCEPTANCE, SequoiaSearch, StepCost, best_first_nodes, sized_nodes
 from specexec_hf.hf import autobudget
+from specexec_hf.hf.learnt_state import LearntState, learnt_state_of
 
 acceptance_vectors = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5)
 
@@ -52,7 +53,7 @@ def test_learning_sequoia_keeps_greedy_output_and_budget_across_calls(
         )
         assert got.tolist() == expected.tolist()
         assert all(step.tree_size <= budget + 1 for step in stats.steps)
-    assert policy.visits > 4.0  # it learnt from the walks
+    assert policy.learnt.visits > 4.0  # it learnt from the walks
 
 
 def test_a_draft_equal_to_the_target_teaches_rank_0_and_the_tree_becomes_a_chain():
@@ -81,6 +82,61 @@ def test_a_fixed_prior_policy_does_not_learn():
     assert policy.acceptance == list(PRIOR_ACCEPTANCE) and policy.learnt_acceptance() == list(PRIOR_ACCEPTANCE)
 
 
+@given(
+    seed=st.integers(0, 2**16),
+    noise=st.sampled_from([0.0, 0.05, 2.0]),
+    budget=st.integers(1, 12),
+    sampling=st.booleans(),
+)
+def test_sequoia_by_name_learns_in_the_drafts_state_across_calls_and_a_separate_state_keeps_apart(
+    seed, noise, budget, sampling
+):
+    target = tiny_model("llama", seed=seed % 8)
+    draft = perturbed_copy(target, noise, seed=seed + 1)
+    settings = {"do_sample": True, "temperature": 0.7, "top_k": None, "top_p": None} if sampling else {}
+
+    def call(index: int, **kwargs) -> None:
+        ids = prompt(seed + index, 5)
+        torch.manual_seed(seed + index)
+        got = target.generate(
+            ids, max_new_tokens=8, assistant_model=draft, speculator="specexec", budget=budget,
+            tree_search="sequoia", **settings, **kwargs,
+        )
+        if not sampling:
+            assert got.tolist() == target.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+
+    call(0)
+    ((setting, learnt),) = learnt_state_of(draft).rank_acceptances.items()
+    assert setting[0] == sampling
+    after_first = learnt.visits
+    assert after_first > 4.0  # the prior's weight, plus the first call's walks
+    separate = LearntState()
+    call(1, learnt_state=separate)
+    assert learnt.visits == after_first  # a run in another state leaves the draft's alone
+    ((_, apart),) = separate.rank_acceptances.items()
+    assert apart is not learnt and apart.visits > 4.0
+    hits = learnt.hits.clone()
+    call(2)
+    assert learnt.visits > after_first and bool((learnt.hits >= hits).all())  # the same vector went on learning
+
+
+def test_a_later_call_by_name_starts_from_the_vector_earlier_calls_learnt():
+    target = tiny_model("qwen2", seed=3)
+    state = LearntState()
+
+    def first_tree_accepted(ids: torch.Tensor, learnt_state: LearntState) -> int:
+        stats = SpecExecStats()
+        target.generate(
+            ids, max_new_tokens=40, do_sample=False, assistant_model=target, speculator="specexec", budget=6,
+            tree_search="sequoia", learnt_state=learnt_state, specexec_stats=stats,
+        )
+        return stats.steps[0].accepted
+
+    assert first_tree_accepted(prompt(3, 4), state) < 7  # the prior's first tree is bushy; this call learns rank 0
+    assert first_tree_accepted(prompt(4, 4), state) == 7  # the next call's first tree is the learnt chain
+    assert first_tree_accepted(prompt(4, 4), LearntState()) < 7  # a fresh state starts from the prior again
+
+
 def grown(policy: SearchPolicy, budget: int, max_depth: int, logprobs: torch.Tensor) -> SearchResult:
     """One tree grown by ``policy`` with the same draft log-probs ``[vocab]`` at every node."""
     config = SpecExecConfig(budget=budget, max_depth=max_depth)
@@ -94,14 +150,14 @@ def test_observe_counts_the_choice_rank_at_each_visited_expanded_node():
     assert result.draft_top_tokens[0].tolist() == [1, 2, 3]
     assert (result.draft_top_tokens[1:] == -1).all()  # leaves were not expanded
     policy.observe(result, [2])  # the root's rank-1 token, which the depth-1 tree holds as a leaf
-    assert policy.visits == 2.0 and policy.hits.tolist() == pytest.approx([0.5, 1.2, 0.1])
+    assert policy.learnt.visits == 2.0 and policy.learnt.hits.tolist() == pytest.approx([0.5, 1.2, 0.1])
     policy.observe(result, [1, 4])  # rank 0, then a choice at a leaf the draft never expanded: not counted
-    assert policy.visits == 3.0 and policy.hits.tolist() == pytest.approx([1.5, 1.2, 0.1])
+    assert policy.learnt.visits == 3.0 and policy.learnt.hits.tolist() == pytest.approx([1.5, 1.2, 0.1])
     policy.observe(result, [4])  # a token outside the top three: a visit with no hit
-    assert policy.visits == 4.0 and policy.hits.tolist() == pytest.approx([1.5, 1.2, 0.1])
+    assert policy.learnt.visits == 4.0 and policy.learnt.hits.tolist() == pytest.approx([1.5, 1.2, 0.1])
     target = torch.tensor([[0.1, 0.6, 0.2, 0.05, 0.05]], dtype=torch.float64)
     policy.observe(result, [1, 0], [target, target])  # sampling: each rank's probability under the target
-    assert policy.visits == 5.0 and policy.hits.tolist() == pytest.approx([2.1, 1.4, 0.15])
+    assert policy.learnt.visits == 5.0 and policy.learnt.hits.tolist() == pytest.approx([2.1, 1.4, 0.15])
     assert policy.acceptance == [0.5, 0.2, 0.1]  # nothing moved past the tolerance of 1
 
 
@@ -202,7 +258,7 @@ def test_learning_sequoia_samples_follow_the_targets_processed_distribution():
         counts[outcome] = counts.get(outcome, 0) + 1
     assert chi_square_p(counts, distribution) > 1e-3
     assert chi_square_p(counts, exact_distribution(target, processors({}))) < 1e-3
-    assert policy.visits > SAMPLES  # it learnt from every call's walks
+    assert policy.learnt.visits > SAMPLES  # it learnt from every call's walks
 
 
 def test_bad_options_are_refused_before_any_work():
@@ -218,7 +274,7 @@ def test_a_search_result_without_recorded_ranks_teaches_nothing():
     policy = SequoiaSearch([0.5])
     tree = TokenTree.from_root(0)
     policy.observe(SearchResult(tree, tree, torch.arange(1), 1), [3])
-    assert policy.visits == 4.0
+    assert policy.learnt.visits == 4.0
 
 
 def test_the_vllm_proposer_selects_a_policy_by_name_and_its_walks_teach_it():
@@ -245,4 +301,4 @@ def test_the_vllm_proposer_selects_a_policy_by_name_and_its_walks_teach_it():
     proposer.last_searches["request"] = (generator.grow_tree(history), history.shape[1])
     continuation = proposer.draft.generate(history, max_new_tokens=3, do_sample=False)[0]
     proposer._observe(generator, "request", continuation.numpy(), continuation.numel())
-    assert proposer.tree_search.visits > 4.0
+    assert proposer.tree_search.learnt.visits > 4.0

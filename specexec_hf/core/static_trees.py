@@ -258,8 +258,10 @@ class SequoiaSearch(StaticTreeSearch):
     the draft expanded, which of its top ``len(acceptance)`` tokens the target chose (or, sampling, the probability
     that it chose each), whatever the shape held there, so ranks the tree does not hold are learnt too. The shapes
     are rebuilt when a rank's rate has moved by more than ``rebuild_tolerance`` since they were built, not every
-    step. A policy built by name (``generate(..., tree_search="sequoia")``) learns within that call; pass one
-    policy object to several calls to keep what it learnt.
+    step. The evidence is a :class:`RankAcceptance`, which several policies can share (:meth:`learn_into`): a policy
+    chosen by name (``generate(..., tree_search="sequoia")``) is built for its call around the vector kept in the
+    call's :class:`~specexec_hf.hf.learnt_state.LearntState`, so later calls with the same draft go on learning; a
+    policy object passed to several calls keeps its own.
 
     Size: by default the ``budget`` best nodes. Given the step's cost (:meth:`size_by_cost`, which
     ``generate(budget="auto")`` calls with the forward-time profile it measures, or ``step_cost``), Sequoia's
@@ -298,12 +300,24 @@ class SequoiaSearch(StaticTreeSearch):
         self.rebuild_tolerance = rebuild_tolerance
         self.step_cost = step_cost
         # Running evidence per rank, the starting vector counting as prior_strength visited nodes.
-        self.hits = torch.tensor(self.acceptance, dtype=torch.float64) * prior_strength
-        self.visits = prior_strength
+        prior = torch.tensor(self.acceptance, dtype=torch.float64)
+        self.learnt = RankAcceptance(prior * prior_strength, prior_strength)
 
     def learnt_acceptance(self) -> list[float]:
         """The current estimate of the per-rank acceptance vector (the shapes follow it within the tolerance)."""
-        return (self.hits / self.visits).tolist()
+        return self.learnt.rates()
+
+    def learn_into(self, learnt: RankAcceptance) -> None:
+        """From now on learns into ``learnt`` (shared with other policies, which then pool what they learn) and
+        builds its shapes from ``learnt``'s current rates.
+
+        Args:
+            learnt: The running evidence to read and add to; its ranks become the policy's.
+        """
+        self.learnt = learnt
+        self.acceptance = learnt.rates()
+        self.recorded_ranks = len(self.acceptance) if self.learn else 0
+        self._shapes.clear()
 
     def observe(
         self, result: SearchResult, choices: Sequence[int], choice_probs: Sequence[torch.Tensor] | None = None
@@ -330,8 +344,9 @@ class SequoiaSearch(StaticTreeSearch):
             hits = probs.gather(-1, top_tokens.clamp(min=0)).double()
         # One host read per walk: the hits per rank, then the number of expanded visited nodes.
         counts = torch.cat([hits[expanded].sum(0), expanded.sum(0, keepdim=True).double()]).cpu()
-        self.hits[: counts.numel() - 1] += counts[:-1]  # a vocabulary smaller than the ranks never picks the rest
-        self.visits += float(counts[-1])
+        # A vocabulary smaller than the ranks never picks the rest.
+        self.learnt.hits[: counts.numel() - 1] += counts[:-1]
+        self.learnt.visits += float(counts[-1])
         learnt = self.learnt_acceptance()
         if max(abs(new - old) for new, old in zip(learnt, self.acceptance)) > self.rebuild_tolerance:
             self.acceptance = learnt
@@ -350,6 +365,25 @@ class SequoiaSearch(StaticTreeSearch):
         else:
             parents, ranks, _ = sized_nodes(acceptance, budget, max_depth, self.step_cost)
         return TreeShape.from_nodes(parents, ranks)
+
+
+@dataclass
+class RankAcceptance:
+    """The running evidence a learning :class:`SequoiaSearch` keeps about its per-rank acceptance vector: the rate
+    of rank ``r`` is ``hits[r] / visits``, the starting vector counting as ``prior_strength`` visited nodes.
+
+    Args:
+        hits: ``[R]`` float64, per rank, how often (greedy) or how likely (sampling) the target chose the draft's rank-r
+            token at a visited node the draft expanded, prior included.
+        visits: Visited expanded nodes, prior included.
+    """
+
+    hits: torch.Tensor
+    visits: float
+
+    def rates(self) -> list[float]:
+        """The per-rank acceptance vector learnt so far."""
+        return (self.hits / self.visits).tolist()
 
 
 PRIOR_ACCEPTANCE = tuple(0.5 ** (rank + 1) for rank in range(16))

@@ -83,19 +83,21 @@ def generate(
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
             :data:`~specexec_hf.core.search.TREE_POLICIES`); the acceptance map and drawn children apply to policies
-            that support them (``ranks_children``, ``draws_children``). ``"sequoia"`` learns its acceptance vector
-            within the call (pass one ``SequoiaSearch`` object to keep learning across calls) and, with
-            ``budget="auto"``, picks each tree's size and depth from the measured forward times.
-        learnt_state: Where the acceptance maps and ``budget="auto"``'s estimates are read and taught; ``None``:
-            the state the draft carries (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep
-            learning. Pass a separate :class:`~.learnt_state.LearntState` to keep a run's learning apart.
+            that support them (``ranks_children``, ``draws_children``). ``"sequoia"`` by name learns its acceptance
+            vector in ``learnt_state``, so calls with the same draft go on learning (a ``SequoiaSearch`` object keeps
+            its own) and, with ``budget="auto"``, picks each tree's size and depth from the measured forward times.
+        learnt_state: Where the acceptance maps, the acceptance vector of a Sequoia policy chosen by name and
+            ``budget="auto"``'s estimates are read and taught; ``None``: the state the draft carries
+            (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep learning. Pass a separate
+            :class:`~.learnt_state.LearntState` to keep a run's learning apart.
         tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
             criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
         model_kwargs: What ``generate()`` prepared: ``attention_mask`` and ``position_ids`` (any padding or holes),
             per-token inputs such as ``token_type_ids``, and its own cache bookkeeping (see
             :mod:`specexec_hf.hf.request`).
     """
-    tree_search = tree_policy(tree_search) if isinstance(tree_search, str) else tree_search
+    by_name = isinstance(tree_search, str)
+    tree_search = tree_policy(tree_search) if by_name else tree_search  # an unknown name fails before any work
     draft_model, request = _checked_request(
         model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
         model_kwargs, synced_gpus,
@@ -110,6 +112,10 @@ def generate(
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
     state = learnt_state if learnt_state is not None else learnt_state_of(draft_model)
+    if by_name:  # a policy chosen by name learns in the state, as the acceptance maps do
+        do_sample = generation_config.do_sample
+        ranking = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
+        state.share_learning(tree_search, do_sample, *ranking)
     decoder = _decoder(model, draft_model, request, config, tree_search, state, logits_processor, generation_config)
     recorder = OutputRecorder(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()

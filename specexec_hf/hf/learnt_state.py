@@ -1,11 +1,12 @@
 """What decoding learns as it runs, in one object a caller can hold: :class:`LearntState`.
 
-Two things improve with every step and are worth keeping across ``generate()`` calls: the acceptance maps that rank
-the draft's candidates (per ranking setting, fed by the target's walks) and the running estimates ``budget="auto"``
-chooses with (per target and tree knobs). A draft carries one state by default (:func:`learnt_state_of`), so later
-calls with the same draft start from what earlier ones learnt; a caller that wants learning kept apart (a benchmark
-measuring each method as if it ran alone, a serving engine's proposer) passes its own, as
-``generate(..., learnt_state=...)``.
+Three things improve with every step and are worth keeping across ``generate()`` calls: the acceptance maps that
+rank the draft's candidates (per ranking setting, fed by the target's walks), the per-rank acceptance vector a Sequoia
+tree policy chosen by name shapes its trees from (per ranking setting, fed by the same walks), and the running
+estimates ``budget="auto"`` chooses with (per target and tree knobs). A draft carries one state by default
+(:func:`learnt_state_of`), so later calls with the same draft start from what earlier ones learnt; a caller that wants
+learning kept apart (a benchmark measuring each method as if it ran alone, a serving engine's proposer) passes its
+own, as ``generate(..., learnt_state=...)``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from transformers import PreTrainedModel
 
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
+from ..core.search import SearchPolicy
+from ..core.static_trees import RankAcceptance, SequoiaSearch
 from .autobudget import AutoBudget, new_auto_budget
 from .calibrated import starting_acceptance_map
 
@@ -27,12 +30,15 @@ class LearntState:
     Attributes:
         acceptance_maps: By ranking setting ``(sampling, draft temperature, context-match weights, sampled
             children)``, the map that ranks the draft's candidates.
+        rank_acceptances: By ranking setting ``(sampling, draft temperature, context-match weights)``, the per-rank
+            acceptance vector Sequoia policies chosen by name learn (:meth:`share_learning`).
         auto_budgets: By target (held weakly), then ``(draft temperature, max_depth, max_branch,
             expand_per_forward)``, the :class:`~.autobudget.AutoBudget` with its running estimates.
     """
 
     def __init__(self) -> None:
         self.acceptance_maps: dict[tuple, AcceptanceMap] = {}
+        self.rank_acceptances: dict[tuple, RankAcceptance] = {}
         self.auto_budgets: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, AutoBudget]] = (
             weakref.WeakKeyDictionary()
         )
@@ -61,6 +67,26 @@ class LearntState:
         if key not in self.acceptance_maps:
             self.acceptance_maps[key] = starting_acceptance_map(draft, sampling, temperature, match_weights)
         return self.acceptance_maps[key]
+
+    def share_learning(
+        self, policy: SearchPolicy, sampling: bool, temperature: float, match_weights: Sequence[float]
+    ) -> None:
+        """Makes ``policy``, built by name for one ``generate()`` call, learn in this state: a learning
+        :class:`~specexec_hf.core.static_trees.SequoiaSearch` shapes its trees from, and adds its walks to, the
+        per-rank acceptance vector kept here at this ranking setting, so the next call's policy starts from what
+        this one learnt. The policy itself is the call's (the sizing ``budget="auto"`` gives it ends with the call);
+        other policies learn nothing across walks and are left as they are.
+
+        Args:
+            policy: The tree policy the call built by name.
+            sampling: Whether the target samples (a hit is then the target's probability of the draft's token).
+            temperature: The draft temperature the trees are ranked at.
+            match_weights: The context-match weights mixed into the draft's probabilities (they can reorder its
+                ranks).
+        """
+        if isinstance(policy, SequoiaSearch) and policy.learn:
+            key = (sampling, float(temperature), tuple(match_weights))
+            policy.learn_into(self.rank_acceptances.setdefault(key, policy.learnt))
 
     def auto_budget(
         self, target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig, draft_temperature: float
