@@ -1,0 +1,318 @@
+"""SpecExec beside the related systems it is read with (issue 34, item 4), in one run on the disk-streamed target.
+
+The default pair with the target streamed from disk under this process's memory cap exactly as ``ssd.py``'s end-to-end
+section runs it (its :func:`ssd.streamed_target`, :func:`ssd.timed`, :func:`ssd.summarize`, :func:`ssd.cap_figures`
+and ``memory_cap.py``: every weight on disk, read with ``O_DIRECT`` by the stream executor on every forward, a cap of
+the process's own memory plus a third of the weights, ``prefetch="auto"`` sizing the ring under that cap), side by
+side on the same short held-out prompts, greedy and at temperature 0.6. Once the target is loaded the cap is raised by
+the drafts' working memory, measured before (:func:`working_bytes`): ``self:int4``'s forwards (quanto's CPU kernels
+dequantize its weights on every one) do not fit in what ssd.py's cap leaves beside the ring. Compared:
+
+- plain ``generate()``;
+- SpecExec with the shipped draft (its best-first tree) at ``--budgets``;
+- ``"self:int4"``: the target itself weight-quantized (optimum-quanto), built from the target in memory before the
+  target is streamed, so it sits in RAM under the cap (a streamed target's weights cannot be quantized);
+- the layer self-drafts ``--layer-drafts`` (default ``"self:skip:10-20"``, the best of ``results/self_drafts``: 1.70
+  / 1.98 tokens per target forward at budgets 16 / 64 in memory, tied with ``self:exit:24``, which runs 5 more
+  layers per draft forward). The target's layers are all on disk here, so a layer self-draft streams its layers
+  from disk for every draft forward, as the target does;
+- Sequoia's static tree learnt online (``tree_search="sequoia"``) with the shipped draft at ``--budgets``.
+
+``self:int4`` runs at ``--int4-budgets``, the layer self-drafts at ``--layer-draft-budgets`` (each of their draft
+forwards streams layers from disk, so fewer of them). Each method learns in its own ``LearntState`` per decoding mode,
+kept across its prompts (as one user running only that method), and gets one warm-up call first. Per method and
+mode: tokens/s over all prompts, tokens per target forward (calls of the target's decoder stack; a layer
+self-draft's forwards run the same layers but not that stack, so they are not counted), SpecExec's draft seconds per
+step; greedy outputs are checked against plain greedy (the run exits 1 if one differs). Sampled outputs are draws:
+their distribution is the property tests' (``tests/test_sampling.py``, ``tests/test_sequoia.py``), not this run's.
+
+Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every method small (one
+prompt, a few tokens) as a smoke check, without root. Long prompts (2K-8K tokens) and TriForce's hierarchy are out of
+this table's scope (see ``results/related_systems/README.md``).
+Run (root): flock /tmp/bench.lock .venv/bin/python benchmarks/related_systems.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_cap import MemoryCap, evict  # noqa: E402  (sibling scripts, not a package)
+from ssd import DEFAULT_PREFETCH, cap_figures, prefetch_value, streamed_target, summarize, timed  # noqa: E402
+
+import specexec_hf  # noqa: E402
+from specexec_hf.hf.learnt_state import LearntState  # noqa: E402
+from specexec_hf.models import resolve_draft, target_cache_dir  # noqa: E402
+from specexec_hf.offload import layer_streamer  # noqa: E402
+from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "related_systems"
+PLAIN = "plain generate"
+MODES = {"greedy": {}, "t=0.6": {"do_sample": True, "temperature": 0.6}}
+"""Decoding modes: ``generate()`` keyword arguments beside each method's."""
+
+
+def methods(
+    draft: torch.nn.Module, int4: torch.nn.Module, layer_drafts: dict[str, torch.nn.Module], args
+) -> dict[str, dict[str, Any]]:
+    """``generate()`` keyword arguments of each method compared, by label, in the table's order.
+
+    Args:
+        draft: The shipped draft.
+        int4: The ``"self:int4"`` draft, built from the target in memory.
+        layer_drafts: The layer self-drafts, built over the streamed target, by name.
+        args: ``budgets`` (shipped draft: SpecExec and Sequoia), ``int4_budgets`` and ``layer_draft_budgets``.
+    """
+    speculative = {"speculator": "specexec"}
+    compared: dict[str, dict[str, Any]] = {PLAIN: {}}
+    drafts = [("shipped draft", draft, args.budgets), ("self:int4", int4, args.int4_budgets)]
+    drafts += [(name, layer_draft, args.layer_draft_budgets) for name, layer_draft in layer_drafts.items()]
+    for name, assistant, budgets in drafts:
+        for budget in budgets:
+            compared[f"SpecExec, {name}, budget {budget}"] = {**speculative, "assistant_model": assistant,
+                                                              "budget": budget}
+    for budget in args.budgets:
+        compared[f"Sequoia online, shipped draft, budget {budget}"] = {
+            **speculative, "assistant_model": draft, "budget": budget, "tree_search": "sequoia"}
+    return compared
+
+
+def drafts_in_memory() -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+    """The shipped draft, ``"self:int4"`` (built from the default target in memory, which is then freed) and the
+    tokenizer."""
+    target, draft, tokenizer = specexec_hf.load_default_pair()
+    int4 = resolve_draft(target, "self:int4")
+    del target
+    gc.collect()
+    return draft, int4, tokenizer
+
+
+def working_bytes(cap: MemoryCap | None, drafts: list[torch.nn.Module], tokens: int) -> int:
+    """The most memory one forward of any of ``drafts`` over ``tokens`` tokens takes beyond what the process holds
+    (its transients: optimum-quanto's CPU kernels dequantize ``self:int4``'s weights on every forward), from the
+    group's peak; 0 without a cap.
+
+    Args:
+        cap: The process's memory group, joined, with no limit yet.
+        drafts: The drafts held in memory.
+        tokens: Tokens per forward (the longest prompt plus the largest tree: the draft's first forward).
+    """
+    if cap is None:
+        return 0
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    peaks = []
+    for draft in drafts:
+        gc.collect()
+        cap.limit(None)  # no limit; restarts the peak
+        base = cap.usage()
+        with torch.no_grad():
+            draft(input_ids=ids)
+        peaks.append(cap.peak() - base)
+    return max(peaks)
+
+
+def measure(args, cap: MemoryCap | None, report: dict[str, Any]) -> dict[str, Any]:
+    """Every method and mode on the same prompts, target streamed from disk under the cap; the entry is saved into
+    ``report`` after each prompt, so a run cut short keeps whole prompts."""
+    draft, int4, tokenizer = drafts_in_memory()
+    checkpoint = target_cache_dir()
+    weights = checkpoint / "model.safetensors"
+    prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
+    entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "modes": MODES}
+    report["measured"] = entry
+    longest = max(inputs["input_ids"].shape[1] for inputs in prompts) + max(*args.budgets, *args.int4_budgets) + 1
+    working = working_bytes(cap, [draft, int4], longest)
+    evict(weights)  # the in-memory target's reads: uncharged before the cap is set
+    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, capped_entry):
+        streamer = layer_streamer(model)
+        entry.update(capped_entry, ring_bytes=streamer.buffer_bytes, prefetch=streamer.prefetch,
+                     sampling_defaults={key: getattr(model.generation_config, key) for key in ("top_k", "top_p")})
+        if cap is not None:
+            # The ring was sized under ssd.py's cap; the drafts' working memory comes on top of it, or self:int4's
+            # forwards would not fit in what that cap leaves once the ring is allocated.
+            entry.update(ring_sized_under_bytes=entry["limit_bytes"], draft_working_bytes=working,
+                         limit_bytes=entry["limit_bytes"] + working)
+            entry["weights_over_limit"] = entry["weights_bytes"] / entry["limit_bytes"]
+            cap.limit(entry["limit_bytes"])
+        layer_drafts = {name: resolve_draft(model, name) for name in args.layer_drafts}
+        compared = methods(draft, int4, layer_drafts, args)
+        entry["methods_compared"] = {label: {key: value for key, value in kwargs.items() if key != "assistant_model"}
+                                     for label, kwargs in compared.items()}
+        for kwargs in compared.values():  # warm-ups (lazy initialisations), learning in the draft's own state
+            model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
+        evict(weights)
+        # One state per method and mode, kept across the prompts: each method learns as if it ran alone.
+        states = {(label, mode): {"learnt_state": LearntState()} if kwargs.get("speculator") else {}
+                  for label, kwargs in compared.items() for mode in MODES}
+        rows: list[dict[str, Any]] = []
+        for index, inputs in enumerate(prompts):
+            for mode, sampling in MODES.items():
+                reference = None
+                for label, kwargs in compared.items():
+                    torch.manual_seed(args.seed + index)
+                    row = {"prompt": index, "mode": mode, "method": label,
+                           **timed(model, inputs, args.max_new_tokens, {**kwargs, **sampling, **states[label, mode]})}
+                    if sampling:
+                        row["equals_plain_greedy"] = None  # a draw: its distribution is the property tests'
+                    else:
+                        reference = reference or row["tokens"]
+                        row["equals_plain_greedy"] = row["tokens"] == reference
+                    rows.append(row)
+                    print(f"  prompt {index} {mode:<6} {label:<44} {len(row['tokens']) / row['seconds']:6.2f} tok/s"
+                          f"{'  DIFFERS' if row['equals_plain_greedy'] is False else ''}", flush=True)
+            entry["rows"] = rows
+            entry["summary"] = summaries(rows)
+            cap_figures(cap, entry)
+            save(report, args.out)
+    return entry
+
+
+def summaries(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict]]:
+    """Per mode, :func:`ssd.summarize`'s figures per method plus its tokens/s over plain ``generate()``'s; sampled
+    modes have no identity with plain greedy to report."""
+    by_mode: dict[str, dict[str, dict]] = {}
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        summary = summarize([row for row in rows if row["mode"] == mode])
+        plain = summary[PLAIN]["tokens_per_second"]
+        for figures in summary.values():
+            figures["speedup_vs_plain"] = figures["tokens_per_second"] / plain
+            if mode != "greedy":
+                del figures["all_equal_plain_greedy"]
+        by_mode[mode] = summary
+    return by_mode
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The table: a row per method, greedy and sampled figures side by side."""
+    environment = report["environment"]
+    entry = report.get("measured") or {}
+    lines = [f"Command: `{environment['command']}`", "",
+             f"Machine: {environment['machine']}, torch {environment['torch']}, transformers "
+             f"{environment['transformers']}, {environment['threads']} threads; memory cap: {environment['cap']}; "
+             f"load average {environment['load_before']} before, {environment.get('load_after', '?')} after; "
+             f"{environment.get('minutes', '?')} minutes."]
+    if entry.get("capped"):
+        lines.append(f"Cap: {entry['limit_bytes'] / 1e6:.0f} MB: the process's {entry['usage_before_bytes'] / 1e6:.0f}"
+                     f" MB before the target loaded, plus a third of its {entry['weights_bytes'] / 1e6:.0f} MB of "
+                     f"weights ({entry['ring_sized_under_bytes'] / 1e6:.0f} MB, ssd.py's cap, under which the ring "
+                     f"was sized: {entry['ring_bytes'] / 1e6:.0f} MB, prefetch {entry['prefetch']}), plus the drafts' "
+                     f"measured working memory ({entry['draft_working_bytes'] / 1e6:.0f} MB, set once the target "
+                     f"was loaded); peak charged {entry.get('peak_bytes', 0) / 1e6:.0f} MB.")
+    elif "ring_bytes" in entry:
+        lines.append(f"No cap: ring {entry['ring_bytes'] / 1e6:.0f} MB (prefetch {entry['prefetch']}).")
+    summary = entry.get("summary")
+    if not summary:
+        return "\n".join([*lines, "", "(nothing measured yet)"]) + "\n"
+    done = len({row["prompt"] for row in entry["rows"]})
+    lines += ["", f"{done} of {entry['prompts']} held-out prompts x {entry['max_new_tokens']} new tokens; greedy and "
+              f"temperature 0.6 (the model's other sampling settings: {entry.get('sampling_defaults')}); every weight "
+              "of the target streamed from disk for every forward.", ""]
+    modes = list(summary)
+    header = ["method"]
+    for mode in modes:
+        header += [f"{mode} tok/s", f"{mode} vs plain", f"{mode} tokens / target fwd"]
+        header += ["greedy draft s / step", "greedy identical to plain"] if mode == "greedy" else []
+    lines += ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for label in summary[modes[0]]:
+        cells = [label]
+        for mode in modes:
+            figures = summary[mode][label]
+            cells += [f"{figures['tokens_per_second']:.2f}", f"{figures['speedup_vs_plain']:.2f}x",
+                      f"{figures['tokens_per_target_forward']:.2f}"]
+            if mode == "greedy":
+                draft_seconds = figures.get("draft_seconds_per_step")
+                cells += ["" if draft_seconds is None else f"{draft_seconds:.2f}",
+                          "yes" if figures["all_equal_plain_greedy"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(report: dict[str, Any], out: Path) -> None:
+    """Writes the JSON and the Markdown table of what the report has so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "related_systems.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "related_systems.md").write_text(markdown(report))
+
+
+# --quick: every method, small (one prompt, a few tokens, a cheap layer self-draft): a smoke check. Prefetch 1: without
+# a cap, "auto" would hold every weight in the ring and stream nothing.
+QUICK = {"prompts": 1, "max_new_tokens": 4, "budgets": [8], "int4_budgets": [8], "layer_draft_budgets": [8],
+         "layer_drafts": ["self:exit:2"], "prefetch": 1}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--quick`` swaps in :data:`QUICK`'s defaults (options given still win)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="every method, small: a smoke check")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64],
+                        help="SpecExec's and Sequoia's budgets with the shipped draft")
+    parser.add_argument("--int4-budgets", type=int, nargs="+", default=[16], help="self:int4's budgets")
+    parser.add_argument("--layer-draft-budgets", type=int, nargs="+", default=[16],
+                        help="the layer self-drafts' budgets")
+    parser.add_argument("--layer-drafts", nargs="*", default=["self:skip:10-20"],
+                        help="layer self-drafts ('self:exit:K', 'self:skip:<layers>') beside self:int4")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i: seed + i, for every method")
+    parser.add_argument("--cache-fraction", type=float, default=1 / 3,
+                        help="memory above the process's own left for caching weights, as a share of the weights")
+    parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
+                        help="units read ahead by the stream executor: a positive integer or 'auto'")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-cap", action="store_true", help="run without a memory cgroup (figures say so)")
+    quick = argparse.ArgumentParser(add_help=False)
+    quick.add_argument("--quick", action="store_true")
+    if quick.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cap = None
+    if not args.no_cap:
+        reason = MemoryCap.unavailable()
+        if reason:
+            raise SystemExit(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
+        cap = MemoryCap(f"specexec-related-{os.getpid()}")
+        cap.join()  # first: pages charged before joining would stay outside the group
+    report: dict[str, Any] = {"environment": {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
+        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
+        "load_before": [round(x, 2) for x in os.getloadavg()],
+        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", "benchmarks/related_systems.py",
+                             *(argv if argv is not None else sys.argv[1:])]),
+    }}
+    started = time.perf_counter()
+    try:
+        measure(args, cap, report)
+    finally:
+        if cap is not None:
+            cap.leave()
+        report["environment"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+        report["environment"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
+        save(report, args.out)
+    print(markdown(report), flush=True)
+    greedy = report["measured"]["summary"]["greedy"]
+    differs = [label for label, figures in greedy.items() if not figures["all_equal_plain_greedy"]]
+    if differs:
+        print(f"outputs differ from plain greedy: {differs}", flush=True)
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
