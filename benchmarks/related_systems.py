@@ -3,9 +3,9 @@
 The default pair with the target streamed from disk under this process's memory cap exactly as ``ssd.py``'s end-to-end
 section runs it (its :func:`ssd.streamed_target`, :func:`ssd.timed`, :func:`ssd.summarize`, :func:`ssd.cap_figures`
 and ``memory_cap.py``: every weight on disk, read with ``O_DIRECT`` by the stream executor on every forward, a cap of
-the process's own memory plus a third of the weights, ``prefetch="auto"`` sizing the ring under that cap), side by
-side on the same short held-out prompts, greedy and at temperature 0.6. Once the target is loaded the cap is raised by
-the drafts' working memory, measured before (:func:`working_bytes`): ``self:int4``'s forwards (quanto's CPU kernels
+the process's own memory plus ``ssd.CACHE_FRACTION`` of the weights, ``prefetch="auto"`` sizing the ring under that
+cap), side by side on the same short held-out prompts, greedy and at temperature 0.6. Once the target is loaded the cap
+is raised by the drafts' working memory, measured before (:func:`working_bytes`): ``self:int4``'s forwards (quanto's CPU kernels
 dequantize its weights on every one) do not fit in what ssd.py's cap leaves beside the ring. Compared:
 
 - plain ``generate()``;
@@ -49,7 +49,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_cap import MemoryCap, evict  # noqa: E402  (sibling scripts, not a package)
-from ssd import DEFAULT_PREFETCH, cap_figures, prefetch_value, streamed_target, summarize, timed  # noqa: E402
+from ssd import (  # noqa: E402
+    CACHE_FRACTION,
+    DEFAULT_PREFETCH,
+    cap_figures,
+    prefetch_value,
+    streamed_target,
+    summarize,
+    timed,
+)
 
 import specexec_hf  # noqa: E402
 from specexec_hf.hf.learnt_state import LearntState  # noqa: E402
@@ -204,7 +212,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"{environment.get('minutes', '?')} minutes."]
     if entry.get("capped"):
         lines.append(f"Cap: {entry['limit_bytes'] / 1e6:.0f} MB: the process's {entry['usage_before_bytes'] / 1e6:.0f}"
-                     f" MB before the target loaded, plus a third of its {entry['weights_bytes'] / 1e6:.0f} MB of "
+                     f" MB before the target loaded, plus {environment['cache_fraction']:.2f} of its "
+                     f"{entry['weights_bytes'] / 1e6:.0f} MB of "
                      f"weights ({entry['ring_sized_under_bytes'] / 1e6:.0f} MB, ssd.py's cap, under which the ring "
                      f"was sized: {entry['ring_bytes'] / 1e6:.0f} MB, prefetch {entry['prefetch']}), plus the drafts' "
                      f"measured working memory ({entry['draft_working_bytes'] / 1e6:.0f} MB, set once the target "
@@ -266,8 +275,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layer-drafts", nargs="*", default=["self:skip:10-20"],
                         help="layer self-drafts ('self:exit:K', 'self:skip:<layers>') beside self:int4")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i: seed + i, for every method")
-    parser.add_argument("--cache-fraction", type=float, default=1 / 3,
-                        help="memory above the process's own left for caching weights, as a share of the weights")
+    parser.add_argument("--cache-fraction", type=float, default=CACHE_FRACTION,
+                        help="memory above the process's own before loading (ring, activations, page cache), as a "
+                             "share of the weights (ssd.py's)")
     parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
                         help="units read ahead by the stream executor: a positive integer or 'auto'")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -62,7 +62,7 @@ def test_summaries_are_per_mode_against_that_modes_plain_and_only_greedy_claims_
 
 def test_table_has_a_row_per_method_and_flags_a_greedy_difference():
     report = {"environment": {"command": "c", "machine": "m", "torch": "t", "transformers": "x", "threads": 2,
-                              "cap": "none", "load_before": [1.0]},
+                              "cap": "none", "load_before": [1.0], "cache_fraction": 0.45},
               "measured": {"prompts": 1, "max_new_tokens": 8, "ring_bytes": 1e6, "prefetch": 1,
                            "rows": rows(), "summary": related.summaries(rows())}}
     table = [line for line in related.markdown(report).splitlines() if line.startswith("| ")]
