@@ -5,8 +5,8 @@ section runs it (its :func:`ssd.streamed_target`, :func:`ssd.timed`, :func:`ssd.
 and ``memory_cap.py``: every weight on disk, read with ``O_DIRECT`` by the stream executor on every forward, a cap of
 the process's own memory plus ``ssd.CACHE_FRACTION`` of the weights, ``prefetch="auto"`` sizing the ring under that
 cap), side by side on the same short held-out prompts, greedy and at temperature 0.6. Once the target is loaded the cap
-is raised by the drafts' working memory, measured before (:func:`working_bytes`): ``self:int4``'s forwards (quanto's CPU kernels
-dequantize its weights on every one) do not fit in what ssd.py's cap leaves beside the ring. Compared:
+is raised by the drafts' working memory, measured before (:func:`working_bytes`): ``self:int4``'s forwards (quanto's
+CPU kernels dequantize its weights on every one) do not fit in what ssd.py's cap leaves beside the ring. Compared:
 
 - plain ``generate()``;
 - SpecExec with the shipped draft (its best-first tree) at ``--budgets``;
