@@ -296,6 +296,18 @@ def pad_tree_rows(
     return PaddedTreeRows(blocks, length, query_rows, padded, torch.cat(kept), torch.cat(output_rows), beyond)
 
 
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value halves of one CPU attention layer's cache, each ``[num_blocks, kv_heads, block_size,
+    head_size]`` (views).
+
+    Args:
+        kv_cache: The layer's cache as the backend's forward receives it, ``[num_blocks, kv_heads, block_size, ...]``
+            with each block's keys then values.
+    """
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+
+
 def read_paged_kv(
     key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,12 +464,13 @@ class TreeVerifier:
         _ACTIVE.verifier = self if self.step else None
         return result
 
-    def attend(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:  # fmt: skip
+    def attend(
+        self, impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor
+    ) -> None:
         """Recomputes the tree rows of one layer's attention output, all requests in one padded batch; the KV the
         native kernel wrote for them stays in the cache for compaction."""
-        num_blocks, kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        block_size = key_cache.shape[2]
         if self.padded is None:  # the block table and the rows are the same in every layer of the step
             self.slot_mapping = metadata.slot_mapping  # one KV cache group (hybrid groups are refused)
             rows = torch.tensor([item.row for item in self.step], device=metadata.block_table.device)
@@ -544,8 +557,7 @@ class TreeVerifier:
         source_slots = self.slot_mapping[torch.cat(sources).to(self.slot_mapping.device)].long()
         destination = self.slot_mapping[torch.cat(destinations).to(self.slot_mapping.device)]
         for rows in layers.values():
-            num_blocks, kv_heads, block_size, _ = rows.kv_cache.shape
-            key_cache, value_cache = rows.kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            key_cache, value_cache = split_kv_cache(rows.kv_cache)
             # Every source is read before any slot is written (a destination can be another node's source).
             keys, values = read_paged_kv(key_cache, value_cache, source_slots)
             rows.impl.do_kv_cache_update(rows.layer, keys, values, rows.kv_cache, destination)
@@ -580,7 +592,7 @@ def _tree_aware_forward(self, layer, query, key, value, kv_cache, attn_metadata,
     result = _CPU_FORWARD["forward"](self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
     verifier = _ACTIVE.verifier
     if verifier is not None and attn_metadata is not None:
-        verifier.attend(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        verifier.attend(self, layer, query, kv_cache, attn_metadata, output)
     return result
 
 
