@@ -147,10 +147,12 @@ def measure(args, cap: MemoryCap | None, report: dict[str, Any]) -> dict[str, An
         entry.update(capped_entry, ring_bytes=streamer.buffer_bytes, prefetch=streamer.prefetch,
                      sampling_defaults={key: getattr(model.generation_config, key) for key in ("top_k", "top_p")})
         if cap is not None:
-            # The ring was sized under ssd.py's cap; the drafts' working memory comes on top of it, or self:int4's
-            # forwards would not fit in what that cap leaves once the ring is allocated.
-            entry.update(ring_sized_under_bytes=entry["limit_bytes"], draft_working_bytes=working,
-                         limit_bytes=entry["limit_bytes"] + working)
+            # The ring was sized under ssd.py's cap; the drafts' working memory and the slack come on top of it, or
+            # self:int4's forwards would not fit in what that cap leaves once the ring is allocated. The weights are
+            # read with O_DIRECT, so the larger cap caches none of them.
+            slack = int(args.slack_mb * 1e6)
+            entry.update(ring_sized_under_bytes=entry["limit_bytes"], draft_working_bytes=working, slack_bytes=slack,
+                         limit_bytes=entry["limit_bytes"] + working + slack)
             entry["weights_over_limit"] = entry["weights_bytes"] / entry["limit_bytes"]
             cap.limit(entry["limit_bytes"])
         layer_drafts = {name: resolve_draft(model, name) for name in args.layer_drafts}
@@ -216,8 +218,9 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{entry['weights_bytes'] / 1e6:.0f} MB of "
                      f"weights ({entry['ring_sized_under_bytes'] / 1e6:.0f} MB, ssd.py's cap, under which the ring "
                      f"was sized: {entry['ring_bytes'] / 1e6:.0f} MB, prefetch {entry['prefetch']}), plus the drafts' "
-                     f"measured working memory ({entry['draft_working_bytes'] / 1e6:.0f} MB, set once the target "
-                     f"was loaded); peak charged {entry.get('peak_bytes', 0) / 1e6:.0f} MB.")
+                     f"measured working memory ({entry['draft_working_bytes'] / 1e6:.0f} MB) and "
+                     f"{entry['slack_bytes'] / 1e6:.0f} MB of slack, both added once the target was loaded; peak "
+                     f"charged {entry.get('peak_bytes', 0) / 1e6:.0f} MB.")
     elif "ring_bytes" in entry:
         lines.append(f"No cap: ring {entry['ring_bytes'] / 1e6:.0f} MB (prefetch {entry['prefetch']}).")
     summary = entry.get("summary")
@@ -280,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "share of the weights (ssd.py's)")
     parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
                         help="units read ahead by the stream executor: a positive integer or 'auto'")
+    parser.add_argument("--slack-mb", type=float, default=512,
+                        help="added to the cap with the drafts' working memory once the ring is sized (tree forwards' "
+                             "activations, allocator growth: ssd.py's cap alone was OOM-killed at budget 64)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-cap", action="store_true", help="run without a memory cgroup (figures say so)")
     quick = argparse.ArgumentParser(add_help=False)
