@@ -31,6 +31,7 @@ Run (root): .venv/bin/python benchmarks/ssd.py   (about 35 minutes on the 2-core
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -325,8 +326,16 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
         evict(weights)
         if cap is not None:
             gc.collect()
+            ctypes.CDLL(None).malloc_trim(0)  # the warm-ups' freed activations back to the system, where glibc can
             cap.reclaim()
-            cap.limit(limit)
+            try:
+                cap.limit(limit)
+            except OSError:  # some of the warm-ups' memory stays with the process: the same room beside the ring
+                ring = entry["ring_bytes"]
+                limit = cap.usage() + int(args.cache_fraction * weights.stat().st_size) - ring
+                cap.limit(limit)
+                entry.update(limit_bytes=limit, weights_over_limit=weights.stat().st_size / limit,
+                             recapped_after_warmups=True)
         rows = []
         for index, inputs in enumerate(prompts):
             reference = None
