@@ -316,9 +316,10 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     evict(weights)
     with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, capped_entry):
         entry.update(capped_entry, ring_bytes=layer_streamer(model).buffer_bytes, prefetch=layer_streamer(model).prefetch)
-        # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens, whose attention
-        # alone needs more than the room left beside the ring) run with the cap lifted; the ring was sized under it.
-        limit = capped_entry.get("limit_bytes")
+        # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens) run with the cap
+        # lifted, the ring having been sized under it. The measured runs are then capped at the process's usage
+        # (draft, runtime, ring, what the warm-ups left) plus the same room: a tighter cap, at the room left beside
+        # the ring at load, was OOM-killed in a budget-256 step.
         if cap is not None:
             cap.limit(None)
         for kwargs in compared.values():
@@ -326,16 +327,8 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
         evict(weights)
         if cap is not None:
             gc.collect()
-            ctypes.CDLL(None).malloc_trim(0)  # the warm-ups' freed activations back to the system, where glibc can
-            cap.reclaim()
-            try:
-                cap.limit(limit)
-            except OSError:  # some of the warm-ups' memory stays with the process: the same room beside the ring
-                ring = entry["ring_bytes"]
-                limit = cap.usage() + int(args.cache_fraction * weights.stat().st_size) - ring
-                cap.limit(limit)
-                entry.update(limit_bytes=limit, weights_over_limit=weights.stat().st_size / limit,
-                             recapped_after_warmups=True)
+            ctypes.CDLL(None).malloc_trim(0)
+            entry.update(capped(cap, weights.stat().st_size, args.cache_fraction), ring_sized_under=capped_entry)
         rows = []
         for index, inputs in enumerate(prompts):
             reference = None
@@ -489,10 +482,10 @@ def markdown(report: dict[str, Any]) -> str:
     e2e = report.get("end_to_end")
     if e2e and "methods" in e2e:
         cap = (f"capped at {e2e['limit_bytes'] / 1e6:.0f} MB: the process's own {e2e['usage_before_bytes'] / 1e6:.0f} "
-               f"MB before the target loaded (draft, runtime) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
-               f"MB of room for the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights, its ring "
-               f"({e2e.get('ring_bytes', 0) / 1e6:.0f} MB, prefetch {e2e.get('prefetch')}), activations and page "
-               f"cache; peak {e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
+               f"MB after loading and warm-ups (draft, runtime, ring) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
+               f"MB of room for the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights (activations and page "
+               f"cache; the ring, {e2e.get('ring_bytes', 0) / 1e6:.0f} MB at prefetch {e2e.get('prefetch')}, was sized "
+               f"under a cap of the same room above the process before loading); peak {e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
                   "| method | tokens/s | median per prompt | tokens per target forward | draft s per step | = plain |",
