@@ -38,14 +38,12 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_cap import MemoryCap, evict  # noqa: E402  (sibling scripts, not a package)
@@ -53,6 +51,7 @@ from ssd import (  # noqa: E402
     CACHE_FRACTION,
     DEFAULT_PREFETCH,
     cap_figures,
+    capped_run,
     prefetch_value,
     streamed_target,
     summarize,
@@ -297,22 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cap = None
-    if not args.no_cap:
-        reason = MemoryCap.unavailable()
-        if reason:
-            raise SystemExit(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
-        cap = MemoryCap(f"specexec-related-{os.getpid()}")
-        cap.join()  # first: pages charged before joining would stay outside the group
-    report: dict[str, Any] = {"environment": {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-        "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
-        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
-        "load_before": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", "benchmarks/related_systems.py",
-                             *(argv if argv is not None else sys.argv[1:])]),
-    }}
+    cap, environment = capped_run(args, "related_systems.py", argv)
+    report: dict[str, Any] = {"environment": environment}
     started = time.perf_counter()
     try:
         measure(args, cap, report)

@@ -610,23 +610,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | None, dict[str, Any]]:
+    """This process in a memory group of its own (none with ``--no-cap``) and the run's environment for the report.
+
+    Args:
+        args: The parsed arguments (``no_cap``, ``threads``, ``cache_fraction``, ``prefetch``).
+        script: The benchmark's file name under ``benchmarks/``, for the group's name and the command.
+        argv: The arguments it was called with (``None``: the command line's).
+    """
     torch.set_num_threads(args.threads)
     cap = None
     if not args.no_cap:
         reason = MemoryCap.unavailable()
         if reason:
             raise SystemExit(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
-        cap = MemoryCap(f"specexec-ssd-{os.getpid()}")
-        cap.join()
-    report: dict[str, Any] = {"environment": {
+        cap = MemoryCap(f"specexec-{Path(script).stem}-{os.getpid()}")
+        cap.join()  # first: pages charged before joining would stay outside the group
+    return cap, {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
         "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join([".venv/bin/python", "benchmarks/ssd.py", *(argv if argv is not None else sys.argv[1:])]),
-    }, "notes": [], "forward": [], "projections": []}
+        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", f"benchmarks/{script}",
+                             *(argv if argv is not None else sys.argv[1:])]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cap, environment = capped_run(args, "ssd.py", argv)
+    report: dict[str, Any] = {"environment": environment, "notes": [], "forward": [], "projections": []}
     written: list[Path] = []  # random-weight checkpoints and the scratch file, deleted at the end unless kept
     started = time.perf_counter()
     try:
