@@ -108,8 +108,9 @@ def test_drawn_children_kept_in_a_tree_are_the_first_of_their_draw(seed, budget)
     acceptance_map = AcceptanceMap()
     acceptance_map.observe(torch.full((400,), -2.0), torch.arange(400) % 4, torch.arange(400) % 4 != 0)
     generator = SpecExecCandidateGenerator(
-        DRAFT, SpecExecConfig(budget=budget, max_branch=5, expand_per_forward=3), acceptance_map=acceptance_map,
-        sampled_children=True,
+        # min_draft_gain=0: the tree fills its budget, so every kept child is checked
+        DRAFT, SpecExecConfig(budget=budget, max_branch=5, expand_per_forward=3, min_draft_gain=0.0),
+        acceptance_map=acceptance_map, sampled_children=True,
     )
     torch.manual_seed(seed)
     result = generator.grow_tree(torch.tensor([[5, 9, 2, 7]]))
