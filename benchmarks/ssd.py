@@ -175,7 +175,8 @@ def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
 def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
     """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures.
 
-    Called before the target loads (:func:`streamed_target`), so "now" is the runtime and the draft."""
+    Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft) and, end to end,
+    again after the warm-ups ("now" then holds the ring and what the warm-ups left)."""
     if cap is None:
         return {"capped": False}
     gc.collect()

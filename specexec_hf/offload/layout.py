@@ -189,11 +189,13 @@ def ring_slots(count: int, prefetch: int, unit_bytes: list[int] | None = None) -
         prefetch: Units read ahead of the one computing.
         unit_bytes: The bytes each unit needs, in execution order; ``None``: all alike.
     """
-    typical = sorted(unit_bytes)[len(unit_bytes) // 2] if unit_bytes else 0
-    oversized = {position for position in range(count) if unit_bytes and unit_bytes[position] > OVERSIZED * typical}
+    oversized: set[int] = set()
+    if unit_bytes:
+        median = sorted(unit_bytes)[len(unit_bytes) // 2]  # never oversized itself, so some units always cycle
+        oversized = {position for position, size in enumerate(unit_bytes) if size > OVERSIZED * median}
     cycling = [position for position in range(count) if position not in oversized]
     ring = min(prefetch + 1, len(cycling))
-    cycled = len(cycling) - len(cycling) % ring if ring else 0
+    cycled = len(cycling) - len(cycling) % ring
     slot_of = [0] * count
     for order, position in enumerate(cycling):
         slot_of[position] = order % ring if order < cycled else ring + order - cycled
