@@ -452,18 +452,20 @@ def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, 
     return [*common, "--speculative-config", json.dumps(config)]
 
 
-def shipped_draft_vocab(folder: Path) -> Path:
-    """Writes the token ids the shipped draft's head scores (``generate()``'s default draft) to a JSON file in
-    ``folder``, for the proposer's ``draft_vocab``; returns its path."""
+def shipped_draft_vocab(draft_dir: Path) -> Path:
+    """Writes the token ids the shipped draft's head scores (``generate()``'s default draft) into the exported draft's
+    folder as the proposer's ``DRAFT_VOCAB_FILE``, which it then reads by default; returns its path. (A stand-in
+    until ``export_default_pair`` writes that file itself; it leaves a file already there alone.)"""
     from safetensors import safe_open
 
+    from specexec_hf.integrations.vllm import DRAFT_VOCAB_FILE
     from specexec_hf.models.default_pair import DRAFT_WEIGHTS_PATH
     from specexec_hf.models.drafts import HEAD_TOKEN_IDS
 
-    with safe_open(str(DRAFT_WEIGHTS_PATH), framework="pt") as weights:
-        ids = weights.get_tensor(HEAD_TOKEN_IDS).tolist()
-    path = folder / "shipped_draft_vocab.json"
-    path.write_text(json.dumps(ids))
+    path = draft_dir / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        with safe_open(str(DRAFT_WEIGHTS_PATH), framework="pt") as weights:
+            path.write_text(json.dumps(weights.get_tensor(HEAD_TOKEN_IDS).tolist()))
     return path
 
 
@@ -720,11 +722,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--offload-prefetch", type=int, default=1,
                         help="With --offload: decoder layers each server's stream reads ahead (its ring holds one "
                              "more; the ring is process memory, inside the cap).")  # fmt: skip
-    parser.add_argument("--draft-dtype", help="specexec_tree's draft dtype (e.g. bfloat16); default: the target's.")
+    parser.add_argument("--draft-dtype",
+                        help="specexec_tree's draft dtype (e.g. float32); default: the proposer's (bfloat16 for a "
+                             "float32 target on a CPU with native bfloat16 matmuls, else the target's).")  # fmt: skip
     parser.add_argument("--draft-vocab",
-                        help="specexec_tree's draft head scores only these token ids: a JSON list file, or 'shipped' "
-                             "(with --default-pair: the shipped draft's 8192, as generate() runs it); default: "
-                             "the whole vocabulary.")  # fmt: skip
+                        help="specexec_tree's draft head scores only these token ids: a JSON list file, or 'all' "
+                             "(the whole vocabulary); default: the proposer's (the draft folder's "
+                             "specexec_draft_vocab.json where it has one: with --default-pair the shipped draft's "
+                             "8192, as generate() runs it; else the whole vocabulary).")  # fmt: skip
     parser.add_argument("--cache-fraction", type=float,
                         help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
                              "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
@@ -748,8 +753,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--cache-fraction: {reason}; run as root on a cgroup v1 machine, or leave it out")
     if args.offload is not None and not args.offload.is_dir():
         parser.error(f"--offload {args.offload}: no such folder; create it on the disk to stream from")
-    if args.draft_vocab == "shipped" and not args.default_pair:
-        parser.error("--draft-vocab shipped is the default pair's draft vocabulary: pass --default-pair too")
     return args
 
 
@@ -806,10 +809,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from specexec_hf.models import export_default_pair
 
             target, draft = map(str, export_default_pair(scratch))
-            if args.draft_vocab == "shipped":
-                args.draft_vocab = str(shipped_draft_vocab(Path(scratch)))
+            report["tree_draft_vocab_file"] = str(shipped_draft_vocab(Path(draft)))
             report["target"] = "SmolLM2-135M-Instruct (default pair)"
-            report["draft"] = "the shipped draft, its subset head widened to the full vocabulary"
+            report["draft"] = "the shipped draft, its subset head widened to the full vocabulary for vLLM's loader"
         elif args.target is None:
             pair = make_tiny_pair(Path(scratch), noise=args.noise)
             target, draft = str(pair.target), str(args.draft or pair.draft)

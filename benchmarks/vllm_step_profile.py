@@ -180,8 +180,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=16, help="Tree nodes per step for the batch (step_budget).")
     parser.add_argument("--request-budget", type=int, help="Nodes per request's tree before the step's cut.")
     parser.add_argument("-k", type=int, default=4, help="draft_model's chain length.")
-    parser.add_argument("--draft-dtype", help="specexec_tree's draft dtype; default: the target's.")
-    parser.add_argument("--draft-vocab", help="specexec_tree's draft vocabulary: a JSON list file, or 'shipped'.")
+    parser.add_argument("--draft-dtype", help="specexec_tree's draft dtype; default: the proposer's.")
+    parser.add_argument("--draft-vocab",
+                        help="specexec_tree's draft vocabulary: a JSON list file, or 'all'; default: the proposer's "
+                             "(with --default-pair: the shipped draft's 8192 tokens).")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=1, help="Requests running at once (max_num_seqs).")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -202,8 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from specexec_hf.models import export_default_pair
 
             target, draft = map(str, export_default_pair(scratch))
-            if args.draft_vocab == "shipped":
-                args.draft_vocab = str(shipped_draft_vocab(Path(scratch)))
+            shipped_draft_vocab(Path(draft))
         else:
             from synthetic_models import make_tiny_pair
 

@@ -119,9 +119,9 @@ def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, ca
     assert "a fraction in [0, 1)" in capsys.readouterr().err
 
 
-def test_tree_draft_settings_reach_the_proposer(tmp_path, capsys):
-    """--draft-dtype and --draft-vocab go to the tree proposer's settings only; 'shipped' is the default pair's
-    draft vocabulary, written as the JSON list the proposer reads."""
+def test_tree_draft_settings_reach_the_proposer(tmp_path):
+    """--draft-dtype and --draft-vocab go to the tree proposer's settings only; the default pair's draft vocabulary
+    is written into the exported draft's folder, where the proposer reads it by default."""
     args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16"])
     command = vllm_serving.server_args("specexec_tree", args, "DRAFT", 16, concurrency=1)
     settings = json.loads(command[command.index("--speculative-config") + 1])["draft_load_config"]
@@ -129,13 +129,12 @@ def test_tree_draft_settings_reach_the_proposer(tmp_path, capsys):
     assert (settings["draft_vocab"], settings["draft_dtype"]) == ("vocab.json", "bfloat16")
     draft_model = vllm_serving.server_args("draft_model", args, "DRAFT", 16, concurrency=1)
     assert "vocab.json" not in draft_model[draft_model.index("--speculative-config") + 1]
-    with pytest.raises(SystemExit):
-        vllm_serving.parse_args(["--draft-vocab", "shipped"])
-    assert "pass --default-pair too" in capsys.readouterr().err
-    from specexec_hf.integrations.vllm import read_token_ids
+    from specexec_hf.integrations.vllm import ProposerSettings, read_token_ids
 
-    shipped = read_token_ids(str(vllm_serving.shipped_draft_vocab(tmp_path)))
+    path = vllm_serving.shipped_draft_vocab(tmp_path)
+    shipped = read_token_ids(str(path))
     assert shipped.numel() == 8192 and shipped.unique().numel() == 8192
+    assert ProposerSettings.from_sources({"draft_model": str(tmp_path)}, {}).draft_vocab == str(path)
 
 
 @pytest.mark.slow

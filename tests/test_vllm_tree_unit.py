@@ -336,13 +336,20 @@ def test_tree_verification_setting():
 
 
 def test_draft_vocab_setting(tmp_path):
-    """draft_vocab names a JSON list of token ids (JSON or SPECEXEC_DRAFT_VOCAB); other files are refused, naming
-    the problem."""
-    from specexec_hf.integrations.vllm import ProposerSettings, read_token_ids
+    """draft_vocab names a JSON list of token ids (JSON or SPECEXEC_DRAFT_VOCAB); unset, the draft folder's
+    DRAFT_VOCAB_FILE where there is one; 'all' keeps the whole head; other files are refused, naming the problem."""
+    from specexec_hf.integrations.vllm import DRAFT_VOCAB_FILE, ProposerSettings, read_token_ids
 
     vocab = tmp_path / "vocab.json"
     vocab.write_text("[5, 1, 3]")
     assert ProposerSettings.from_sources({"draft_model": "d"}, {}).draft_vocab is None
+    assert ProposerSettings.from_sources({"draft_model": str(tmp_path)}, {}).draft_vocab is None
+    (tmp_path / DRAFT_VOCAB_FILE).write_text("[2, 4]")
+    assert ProposerSettings.from_sources({"draft_model": str(tmp_path)}, {}).draft_vocab == str(
+        tmp_path / DRAFT_VOCAB_FILE
+    )
+    everything = {"draft_model": str(tmp_path), "draft_vocab": "all"}
+    assert ProposerSettings.from_sources(everything, {}).draft_vocab is None
     settings = ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_DRAFT_VOCAB": str(vocab)})
     assert settings.draft_vocab == str(vocab)
     assert read_token_ids(settings.draft_vocab).tolist() == [5, 1, 3]
@@ -352,6 +359,18 @@ def test_draft_vocab_setting(tmp_path):
         vocab.write_text(bad)
         with pytest.raises(ValueError, match="non-empty JSON list of non-negative token ids"):
             read_token_ids(str(vocab))
+
+
+@pytest.mark.parametrize("avx512_bf16, amx", [(True, False), (False, True), (False, False)])
+def test_default_draft_dtype_is_bfloat16_only_for_a_float32_target_on_a_native_bf16_cpu(monkeypatch, avx512_bf16, amx):
+    from specexec_hf.integrations.vllm import default_draft_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    native = torch.bfloat16 if avx512_bf16 or amx else torch.float32
+    assert default_draft_dtype(torch.device("cpu"), torch.float32) == native
+    assert default_draft_dtype(torch.device("cpu"), torch.float16) == torch.float16
+    assert default_draft_dtype(torch.device("cuda"), torch.float32) == torch.float32
 
 
 class _FakeRunner:
