@@ -11,7 +11,7 @@ from tolerances import assert_close_across_kernels, compute_dtype, model_bound, 
 from transformers import DynamicCache
 
 import specexec_hf  # noqa: F401  (installs speculator="specexec")
-from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig
+from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, TokenTree
 from specexec_hf.hf.kv import new_cache
 
 
@@ -90,22 +90,60 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(arch=st.sampled_from(sorted(ARCHITECTURES)), seed=st.integers(0, 2**16), hooked_head=st.booleans())
-def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, hooked_head):
-    from specexec_hf.hf.forward import VERIFIED_MODEL_TYPES, Feed, model_logits, node_logits
+@given(
+    arch=st.sampled_from(sorted(ARCHITECTURES)),
+    seed=st.integers(0, 2**16),
+    head_hook=st.sampled_from(["none", "hook", "hook, weights stay loaded"]),
+    logprobs=st.lists(st.floats(-5, 0), min_size=6, max_size=6),
+    order=st.permutations(range(7)),
+)
+def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, head_hook, logprobs, order):
+    from specexec_hf.hf.forward import (
+        VERIFIED_MODEL_TYPES,
+        WALK_ROWS_PER_HEAD_CALL,
+        Feed,
+        mark_weights_stay_loaded,
+        model_logits,
+        node_logits,
+    )
 
     model = tiny_model(arch, seed=seed).to(device)
-    if hooked_head:  # e.g. an offloading hook: the head must then run inside the model's own forward
+    if head_hook != "none":  # e.g. an offloading hook: the head must then run inside the model's own forward
         model.lm_head.register_forward_pre_hook(lambda module, args: None)
+    if head_hook == "hook, weights stay loaded":  # unless the executor keeps its weights in place
+        mark_weights_stay_loaded(model.lm_head)
     tokens = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
     visible = torch.ones(9, 9, dtype=torch.bool).tril()
     visible[6:, 3:6] = False  # three nodes under token 2 that do not see each other's siblings
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 3, 4, 5])
     tokens, visible, positions = on_device(device, tokens, visible, positions)
+    # The nodes: a root, then two chains of three under it (the second does not see the first).
+    tree = TokenTree(
+        tokens=tokens[2:].cpu(),
+        parents=torch.tensor([-1, 0, 1, 2, 0, 4, 5]),
+        depths=torch.tensor([0, 1, 2, 3, 1, 2, 3]),
+        logprobs=torch.tensor([0.0, *logprobs]),
+    )
     expected = model_logits(model, Feed(new_cache(), tokens, positions, visible, 7))
-    lazy = node_logits(model, Feed(new_cache(), tokens, positions, visible, 7))
-    assert (lazy.hidden is None) == (hooked_head or model.config.model_type not in VERIFIED_MODEL_TYPES)
-    # The same forward up to the head; the head then sums over the hidden size for one row instead of nine.
+    lazy = node_logits(model, Feed(new_cache(), tokens, positions, visible, 7), tree=tree)
+    assert (lazy.hidden is None) == (head_hook == "hook" or model.config.model_type not in VERIFIED_MODEL_TYPES)
+    calls = []
+    if lazy.head is not None:
+        lazy.head.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[0]))
+    # The same forward up to the head; the head then sums over the hidden size for a few rows instead of nine.
     bound = rounding_bound(compute_dtype(model), reduction=model.config.hidden_size)
-    for node in (6, 0, 3, 6):
+    likeliest, computed = tree.likeliest_children(), set()
+    for node in (*order, 6, 0):
+        before = len(calls)
         assert_close_across_kernels(lazy.row(node), expected[node : node + 1], bound)
+        if lazy.head is None:
+            continue
+        if node in computed:
+            assert len(calls) == before
+            continue
+        # A missing row comes with its likeliest descendants' rows not computed yet, in one head call.
+        path = [node]
+        while len(path) < WALK_ROWS_PER_HEAD_CALL and likeliest[path[-1]] >= 0 and likeliest[path[-1]] not in computed:
+            path.append(likeliest[path[-1]])
+        assert calls[before:] == [len(path)]
+        computed |= set(path)

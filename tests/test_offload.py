@@ -134,6 +134,31 @@ def test_streamer_memory_stays_flat_over_200_forwards():
                 offloaded(ids)  # a closed streamer refuses to read rather than compute with stale buffers
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_resident_streamed_head_runs_lazily_and_the_next_forwards_first_layers_are_read_ahead(prefetch):
+    """The LM head has a buffer of its own (it stays loaded), so the walk applies it to a few rows after the forward
+    instead of to every node inside it; the last decoder layer then queues the next forward's first layers, which
+    read while the walk and the draft run."""
+    from specexec_hf.hf.forward import _head_applies_lazily
+
+    model = tiny_model("llama", seed=0, num_layers=6, vocab_size=16384, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        offloaded = offloaded_copy(model, folder, "all on disk", "stream", prefetch=prefetch)
+        streamer = layer_streamer(offloaded)
+        head_position = streamer.unit_names.index("lm_head")
+        assert streamer._stays_loaded[head_position] and _head_applies_lazily(offloaded)
+        ids = prompt(2, 4)
+        with torch.no_grad():
+            for _ in range(2):
+                offloaded.model(ids)  # what a tree forward runs: the decoder, not the head
+                cycling = [p for p, stays in enumerate(streamer._stays_loaded) if not stays][:prefetch]
+                for position in cycling:
+                    assert streamer._slots[streamer._slot_of[position]].position == position
+            expected = model(ids).logits
+            assert torch.equal(offloaded(ids).logits, expected)
+        streamer.close()
+
+
 def test_device_map_is_per_layer_and_keeps_parameter_free_modules_off_disk():
     model = tiny_model("llama", num_layers=3)
     device_map = offload_device_map(model, {"cpu": 0})

@@ -53,6 +53,20 @@ def test_select_keeps_structure(tree, data):
 
 
 @given(random_trees())
+def test_likeliest_children_are_each_nodes_child_of_highest_logprob(tree):
+    likeliest = tree.likeliest_children()
+    for node in range(tree.num_nodes):
+        children = tree.children(node).tolist()
+        if not children:
+            assert likeliest[node] == -1
+            continue
+        assert likeliest[node] in children
+        best = max(float(tree.logprobs[child]) for child in children)
+        assert float(tree.logprobs[likeliest[node]]) == best
+        assert likeliest[node] == min(child for child in children if float(tree.logprobs[child]) == best)
+
+
+@given(random_trees())
 def test_best_path_maximises_expected_acceptance(tree):
     def value(path):
         return sum(math.exp(float(tree.logprobs[n])) for n in path)

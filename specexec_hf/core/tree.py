@@ -124,6 +124,18 @@ class TokenTree:
             if parent >= 0
         }
 
+    def likeliest_children(self) -> list[int]:
+        """Per node, its child with the highest draft log-probability (the first one on a tie), ``-1`` for a leaf:
+        where the walk goes when the draft is right (one host read)."""
+        logprobs = self.logprobs.tolist()
+        parents, _ = self.host_lists()
+        likeliest = [-1] * self.num_nodes
+        for node in range(1, self.num_nodes):
+            best = likeliest[parents[node]]
+            if best < 0 or logprobs[node] > logprobs[best]:
+                likeliest[parents[node]] = node
+        return likeliest
+
     def best_path(self) -> list[int]:
         """The root-to-leaf path that maximises the draft's expected number of accepted tokens.
 

@@ -203,10 +203,12 @@ class SpecExecDecoder:
         )
         acceptance = acceptance_walk(grown.tree, choice)
         self.drafter.observe(grown, acceptance.tokens, choice.sampled_from or None)
-        if self.auto_budget is not None:
-            self.auto_budget.observe(grown.tree, acceptance, drafted - started)
         # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
         compact_cache(self.cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
+        if self.auto_budget is not None:
+            self.auto_budget.observe(
+                grown.tree, acceptance, drafted - started, grown.draft_forwards, time.perf_counter() - verified
+            )
         pending = length - self.cached
         self.cached = length + len(acceptance.path)
         return StepOutcome(
@@ -240,4 +242,4 @@ class SpecExecDecoder:
         extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
         hidden_states, attentions = self.trace
         feed = Feed(self.cache, tokens, positions, visible, tree.num_nodes, extra_inputs, span_positions=indices)
-        return node_logits(self.model, feed, hidden_states=hidden_states, attentions=attentions)
+        return node_logits(self.model, feed, hidden_states=hidden_states, attentions=attentions, tree=tree)

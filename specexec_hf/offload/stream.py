@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..hf.forward import mark_weights_stay_loaded
 from .direct_io import (
     BLOCK,
     DirectReader,
@@ -60,8 +61,10 @@ class LayerStreamer:
 
     Each streamed unit always computes out of the same ring buffer (:func:`ring_slots`): its parameters are views
     of that buffer, bound once, so a forward allocates nothing. Before unit ``i`` runs, the streamer waits for its
-    weights and queues the reads of the next ``prefetch`` units (wrapping around to the next forward's first
-    units), which a :class:`~.direct_io.DirectReader` performs while unit ``i`` computes: ``O_DIRECT`` reads from
+    weights and queues the reads of the next ``prefetch`` units that share buffers (wrapping around to the next
+    forward's first units; a unit with a buffer of its own is read once, stays loaded and is marked so, which lets
+    the walk apply a resident LM head to a few rows lazily), which a :class:`~.direct_io.DirectReader` performs
+    while unit ``i`` computes: ``O_DIRECT`` reads from
     the weight files straight into the ring buffer, several in flight, bypassing the page cache (through it where
     the filesystem refuses direct reads). A unit called out of order is read on the spot, so the order affects
     speed only, never results. Each read checks that the files kept the size and modification time they had at
@@ -105,8 +108,13 @@ class LayerStreamer:
         self._direct_reader = reader or DirectReader()
         self._closed = False
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
+        shared = slot_members(slot_of)
+        # A unit alone in its buffer is read once and stays: read-ahead counts only the units that cycle.
+        self._stays_loaded = [len(shared[slot]) == 1 for slot in slot_of]
         for position, (module, _) in enumerate(units):
             module.register_forward_pre_hook(partial(self._before_unit, position))
+            if self._stays_loaded[position]:
+                mark_weights_stay_loaded(module)
 
     @classmethod
     def install(
@@ -190,10 +198,13 @@ class LayerStreamer:
         except BaseException:
             current.position = None  # what the buffer holds is unknown now: read it again next time
             raise
-        for ahead in range(1, self._prefetch + 1):
+        queued, ahead = 0, 0
+        while queued < self._prefetch and ahead < len(self._units) - 1:
+            ahead += 1
             upcoming = (position + ahead) % len(self._units)
             if self._slots[self._slot_of[upcoming]] is not current:  # fewer units than slots: all stay loaded
                 self._request(upcoming)
+                queued += not self._stays_loaded[upcoming]
 
     def _request(self, position: int) -> RingSlot:
         """The slot of unit ``position``, queueing the read of its weights unless it holds or awaits them."""
