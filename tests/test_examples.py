@@ -71,7 +71,7 @@ def test_exported_default_draft_scores_as_the_shipped_one(tmp_path):
 
     target_dir, draft_dir = export_default_pair(tmp_path)
     assert target_dir == default_target_dir()
-    target, shipped, _ = load_default_pair()
+    target, shipped, _ = load_default_pair(draft_dtype=torch.float32)
     exported = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1326, 30]])
     with torch.no_grad():

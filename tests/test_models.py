@@ -58,7 +58,7 @@ def test_missing_draft_error_says_how_to_make_it(monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="module")
 def pair() -> tuple:
-    return models.load_default_pair()
+    return models.load_default_pair(draft_dtype=torch.float32)
 
 
 @needs_smollm2
@@ -79,6 +79,29 @@ def test_default_pair_shapes_and_shared_embedding(pair: tuple) -> None:
     input_ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
         assert draft(input_ids=input_ids).logits.shape == target(input_ids=input_ids).logits.shape
+
+
+@needs_smollm2
+@needs_draft
+def test_a_draft_in_another_dtype_copies_the_embedding_and_proposes_as_the_shared_one(pair: tuple) -> None:
+    target, shared, _ = pair
+    _, own, _ = models.load_default_pair(draft_dtype=torch.bfloat16)
+    assert all(parameter.dtype == torch.bfloat16 for parameter in own.parameters())
+    assert own.get_input_embeddings().weight is not target.get_input_embeddings().weight
+    assert target.get_input_embeddings().weight.dtype == torch.float32  # the target was not converted
+    assert torch.equal(own.get_input_embeddings().weight, target.get_input_embeddings().weight.to(torch.bfloat16))
+    assert torch.equal(own.get_output_embeddings().token_ids, shared.get_output_embeddings().token_ids)
+    input_ids = torch.tensor([[1, 504, 3458, 314, 253, 1326, 30]])
+    with torch.inference_mode():
+        expected, logits = shared(input_ids=input_ids).logits, own(input_ids=input_ids).logits.float()
+    # Rounding to bfloat16 moves the draft's scores a little; its top proposals stay the float32 draft's.
+    assert (logits[0].argmax(-1) == expected[0].argmax(-1)).float().mean() >= 0.8
+    assert models.default_draft_dtype(torch.bfloat16) == torch.bfloat16
+    assert models.default_draft_dtype(torch.float32) == (
+        torch.bfloat16 if models.native_bfloat16_cpu() else torch.float32
+    )
+    with pytest.raises(ValueError, match="draft_dtype"):
+        models.load_default_pair(draft_dtype="bf16")
 
 
 @needs_smollm2

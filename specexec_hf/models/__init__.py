@@ -2,11 +2,13 @@
 quantized), subset heads."""
 
 from .default_pair import (
+    default_draft_dtype,
     default_target_dir,
     draft_export_path,
     export_default_pair,
     load_default_pair,
     load_default_target,
+    native_bfloat16_cpu,
     target_cache_dir,
 )
 from .drafts import (
@@ -24,6 +26,7 @@ __all__ = [
     "LAYER_SELF_DRAFTS",
     "SELF_DRAFTS",
     "SubsetLMHead",
+    "default_draft_dtype",
     "default_target_dir",
     "draft_export_path",
     "export_default_pair",
@@ -31,6 +34,7 @@ __all__ = [
     "load_default_pair",
     "load_default_target",
     "layer_self_draft",
+    "native_bfloat16_cpu",
     "load_draft_export",
     "read_draft_export",
     "resident_layers",

@@ -144,11 +144,29 @@ def draft_export_path(name: str) -> Path:
     return weights
 
 
-def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX): there a small draft's
+    forward in bfloat16 takes about 40% less time than in float32 (SmolLM2's draft on a 2-core EPYC)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def default_draft_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The shipped draft's dtype beside a target in ``dtype`` on the CPU: bfloat16 where the CPU computes it
+    natively and the target is in float32, else the target's. The draft's dtype changes only its proposals, never
+    the output (the target verifies every token)."""
+    return torch.bfloat16 if dtype == torch.float32 and native_bfloat16_cpu() else dtype
+
+
+def load_default_pair(
+    dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype | str = "auto"
+) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
     """Load SmolLM2-135M-Instruct, its shipped distilled draft, and the shared tokenizer.
 
     Args:
-        dtype: Parameter dtype of both models (the draft must match the target since they share tensors).
+        dtype: Parameter dtype of the target.
+        draft_dtype: The draft's dtype, or ``"auto"`` (:func:`default_draft_dtype`). In the target's dtype the draft
+            shares the target's embedding; in another it holds its own copy.
 
     Returns:
         ``(target, draft, tokenizer)``.
@@ -160,8 +178,12 @@ def load_default_pair(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedMod
         raise FileNotFoundError(
             f"The shipped draft {DRAFT_WEIGHTS_PATH} (or its {DRAFT_META_PATH.name}) is missing. {_DISTILL_HINT}"
         )
+    if draft_dtype == "auto":
+        draft_dtype = default_draft_dtype(dtype)
+    elif not isinstance(draft_dtype, torch.dtype):
+        raise ValueError(f"draft_dtype must be a torch.dtype or 'auto', got {draft_dtype!r}.")
     target, tokenizer = load_default_target(dtype)
-    return target, load_draft_export(target, DRAFT_WEIGHTS_PATH), tokenizer
+    return target, load_draft_export(target, DRAFT_WEIGHTS_PATH, draft_dtype), tokenizer
 
 
 def export_default_pair(directory: str | os.PathLike) -> tuple[Path, Path]:
@@ -178,7 +200,7 @@ def export_default_pair(directory: str | os.PathLike) -> tuple[Path, Path]:
     Returns:
         ``(target_dir, draft_dir)``.
     """
-    target, draft, tokenizer = load_default_pair()
+    target, draft, tokenizer = load_default_pair(draft_dtype=torch.float32)  # the dtype the checkpoint's users pick
     head = draft.get_output_embeddings()
     if isinstance(head, SubsetLMHead):
         weight = target.get_output_embeddings().weight.detach().clone()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from ..hf.calibrated import (
@@ -80,6 +81,28 @@ def share_target_embeddings(draft: PreTrainedModel, target: PreTrainedModel) -> 
     return draft
 
 
+def copy_target_embeddings(draft: PreTrainedModel, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """Give the draft its own copy of the target's embedding (and of its LM head), in ``dtype``, for a draft that
+    computes in another dtype than the target (converting shared tensors would convert the target's).
+
+    Args:
+        draft: A draft built by :func:`draft_config_from_target`.
+        target: The target whose embedding the draft copies; a tied head stays tied to the copy.
+        dtype: The draft's dtype.
+    """
+    target_embedding = target.get_input_embeddings()
+    embedding = nn.Embedding.from_pretrained(
+        target_embedding.weight.detach().to(dtype, copy=True), freeze=True, padding_idx=target_embedding.padding_idx
+    )
+    draft.set_input_embeddings(embedding)
+    target_head = target.get_output_embeddings()
+    head = nn.Linear(target_head.in_features, target_head.out_features, bias=False, device="meta")
+    tied = target_head.weight is target_embedding.weight
+    head.weight = embedding.weight if tied else nn.Parameter(target_head.weight.detach().to(dtype), requires_grad=False)
+    draft.set_output_embeddings(head)
+    return draft
+
+
 def own_state_dict(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The draft's parameters without the shared embedding / LM head, as saved in a shipped draft file."""
     shared = {"model.embed_tokens.weight", "lm_head.weight"}
@@ -87,7 +110,10 @@ def own_state_dict(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 def build_draft(
-    target: PreTrainedModel, draft_config: LlamaConfig, own_weights: dict[str, torch.Tensor]
+    target: PreTrainedModel,
+    draft_config: LlamaConfig,
+    own_weights: dict[str, torch.Tensor],
+    dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
     """Assemble a draft from its own weights and the target's shared embedding.
 
@@ -96,13 +122,19 @@ def build_draft(
         draft_config: Draft architecture, e.g. from :func:`draft_config_from_target`.
         own_weights: Decoder layers and final norm, as produced by :func:`own_state_dict`; with
             ``lm_head.token_ids`` the draft's head scores only those tokens (see :mod:`specexec_hf.models.vocab`).
+        dtype: The draft's dtype; ``None``: the target's. In another dtype the draft copies the target's embedding
+            instead of sharing it (:func:`copy_target_embeddings`).
     """
-    dtype = target.get_input_embeddings().weight.dtype
+    target_dtype = target.get_input_embeddings().weight.dtype
+    dtype = dtype or target_dtype
     own_weights = dict(own_weights)
     head_token_ids = own_weights.pop(HEAD_TOKEN_IDS, None)
     with torch.device("meta"):
         draft = LlamaForCausalLM(draft_config)
-    share_target_embeddings(draft, target)
+    if dtype == target_dtype:
+        share_target_embeddings(draft, target)
+    else:
+        copy_target_embeddings(draft, target, dtype)
     _, unexpected = draft.load_state_dict(own_weights, strict=False, assign=True)
     unexpected = [name for name in unexpected if name not in ("model.embed_tokens.weight", "lm_head.weight")]
     still_meta = [name for name, p in draft.named_parameters() if p.is_meta]
@@ -159,11 +191,13 @@ def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str,
     return meta, weights
 
 
-def load_draft_export(target: PreTrainedModel, weights_path: Path) -> PreTrainedModel:
-    """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype."""
-    meta, own_weights = read_draft_export(weights_path, target.get_input_embeddings().weight.dtype)
+def load_draft_export(target: PreTrainedModel, weights_path: Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype, or
+    in ``dtype`` with its own copy of the embedding (see :func:`build_draft`)."""
+    dtype = dtype or target.get_input_embeddings().weight.dtype
+    meta, own_weights = read_draft_export(weights_path, dtype)
     draft_config = draft_config_from_target(target.config, meta["num_hidden_layers"], meta.get("intermediate_size"))
-    draft = build_draft(target, draft_config, own_weights)
+    draft = build_draft(target, draft_config, own_weights, dtype)
     if GREEDY_TEMPERATURE_KEY in meta:  # written by `specexec-hf calibrate --write`
         setattr(draft.config, GREEDY_TEMPERATURE_ATTRIBUTE, float(meta[GREEDY_TEMPERATURE_KEY]["temperature"]))
     if CONTEXT_MATCH_KEY in meta:
