@@ -302,7 +302,7 @@ def timed(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict[str, A
     row: dict[str, Any] = {"seconds": seconds, "tokens": output[0, inputs["input_ids"].shape[1]:].tolist(),
                            "target_forwards": forwards[0]}
     if stats is not None:
-        row["draft_seconds"] = stats.draft_seconds
+        row["draft_seconds"], row["verify_seconds"] = stats.draft_seconds, stats.target_seconds
     return row
 
 
@@ -358,8 +358,11 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         if all("target_forwards" in row for row in group):
             entry["tokens_per_target_forward"] = tokens / sum(row["target_forwards"] for row in group)
         if all("draft_seconds" in row for row in group):
-            entry["draft_seconds_per_step"] = (sum(row["draft_seconds"] for row in group)
-                                               / sum(row["target_forwards"] for row in group))
+            steps = sum(row["target_forwards"] for row in group)
+            entry["draft_seconds_per_step"] = sum(row["draft_seconds"] for row in group) / steps
+            entry["verify_seconds_per_step"] = sum(row["verify_seconds"] for row in group) / steps
+        if "tokens_per_target_forward" in entry:
+            entry["seconds_per_step"] = entry["tokens_per_target_forward"] / entry["tokens_per_second"]
         summary[method] = entry
     return summary
 
@@ -489,13 +492,17 @@ def markdown(report: dict[str, Any]) -> str:
                f"under a cap of the same room above the process before loading); peak {e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
-                  "| method | tokens/s | median per prompt | tokens per target forward | draft s per step | = plain |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| method | tokens/s | median per prompt | tokens per target forward | s per step | draft s per step "
+                  "| target forward s per step | = plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+        def cell(value: float | None, digits: int) -> str:
+            return "" if value is None else f"{value:.{digits}f}"
+
         for method, m in e2e["methods"].items():
-            per = m.get("tokens_per_target_forward")
-            draft = m.get("draft_seconds_per_step")
             lines.append(f"| {method} | {m['tokens_per_second']:.2f} | {m['median_prompt_tokens_per_second']:.2f} | "
-                         f"{'' if per is None else f'{per:.2f}'} | {'' if draft is None else f'{draft:.3f}'} | "
+                         f"{cell(m.get('tokens_per_target_forward'), 2)} | {cell(m.get('seconds_per_step'), 3)} | "
+                         f"{cell(m.get('draft_seconds_per_step'), 3)} | {cell(m.get('verify_seconds_per_step'), 3)} | "
                          f"{m['all_equal_plain_greedy']} |")
         lines.append("")
     if report.get("goals"):

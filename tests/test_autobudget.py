@@ -29,6 +29,27 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(autobudget, "_profiles", {})
 
 
+def modelled_plan(rates, budget, expand_per_forward, max_depth, gain):
+    """A direct reading of AutoBudget's model: (tokens per step, draft forwards) of the best ``budget`` nodes."""
+    parents, _, values = best_first_nodes(rates, max(CANDIDATES), min(max_depth, max(CANDIDATES)))
+    nodes = list(range(1, min(budget + 1, len(values))))
+    depth = {0: 0}
+    for node in nodes:
+        depth[node] = depth[parents[node]] + 1
+    deepest = max((depth[node] for node in nodes), default=0)
+
+    def reached(limit):  # the acceptance of the nodes down to depth ``limit``
+        return sum(values[node] for node in nodes if depth[node] <= limit)
+
+    interior = {parents[node] for node in nodes} - {0}
+    forwards = max(1, deepest, 1 + math.ceil(len(interior) / expand_per_forward))
+    for limit in range(1, deepest + 1):
+        if gain > 0 and reached(limit) - reached(limit - 1) < gain * (1 + reached(limit)):
+            forwards = min(forwards, limit)
+            break
+    return 1 + reached(forwards), forwards
+
+
 @given(
     fixed=st.floats(1e-3, 1.0),
     per_token=st.floats(0.0, 1e-2),
@@ -36,24 +57,39 @@ def private_cache(tmp_path, monkeypatch):
     expand_per_forward=st.integers(1, 32),
     rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8),
     max_depth=st.integers(1, 16),
+    gain=st.sampled_from([0.0, 0.03, 0.2]),
 )
 def test_choice_is_the_argmax_of_modelled_tokens_per_second(
-    fixed, per_token, draft_forward, expand_per_forward, rates, max_depth
+    fixed, per_token, draft_forward, expand_per_forward, rates, max_depth, gain
 ):
     profile = ForwardProfile({b + 1: fixed + per_token * (b + 1) for b in CANDIDATES})
     acceptance = AcceptanceProfile(hits=rates, visits=[1.0] * len(rates))
-    auto = AutoBudget(profile, draft_forward, expand_per_forward, acceptance, CANDIDATES, max_depth)
-    _, _, values = best_first_nodes(rates, max(CANDIDATES), max_depth)
+    auto = AutoBudget(profile, draft_forward, expand_per_forward, acceptance, CANDIDATES, max_depth, gain)
 
     def modelled(budget: int) -> float:
-        tokens = sum(values[: budget + 1])  # the root's 1.0 is the bonus token
-        draft_forwards = 1 + math.ceil(budget / expand_per_forward)
-        return tokens / (fixed + per_token * (budget + 1) + draft_forward * draft_forwards)
+        tokens, forwards = modelled_plan(rates, budget, expand_per_forward, max_depth, gain)
+        return tokens / (fixed + per_token * (budget + 1) + draft_forward * forwards)
 
     best = max(modelled(b) for b in CANDIDATES)
     chosen = auto.choose()
     assert math.isclose(modelled(chosen), best, rel_tol=1e-9)
     assert chosen == min(b for b in CANDIDATES if math.isclose(modelled(b), best, rel_tol=1e-9))
+    # A forward adds at least one node (the root's first), and a tree needs at least the forward that feeds its root.
+    assert all(1 <= auto.plan()[b][1] <= 1 + b for b in CANDIDATES)
+
+
+@given(
+    expand_per_forward=st.integers(1, 32),
+    rates=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=4),
+    gain=st.floats(0.001, 0.3),
+)
+def test_min_draft_gain_caps_the_modelled_forwards_and_tokens(expand_per_forward, rates, gain):
+    acceptance = AcceptanceProfile(hits=rates, visits=[1.0] * len(rates))
+    flat = ForwardProfile({b + 1: 1.0 for b in CANDIDATES})
+    free = AutoBudget(flat, 0.01, expand_per_forward, acceptance, CANDIDATES, None, 0.0).plan()
+    stopped = AutoBudget(flat, 0.01, expand_per_forward, acceptance, CANDIDATES, None, gain).plan()
+    for budget in CANDIDATES:
+        assert stopped[budget][1] <= free[budget][1] and stopped[budget][0] <= free[budget][0] + 1e-9
 
 
 def test_flat_forward_time_picks_a_large_budget_and_linear_time_a_small_one():
@@ -64,14 +100,25 @@ def test_flat_forward_time_picks_a_large_budget_and_linear_time_a_small_one():
     assert AutoBudget(compute_bound, 0.0, 16, acceptance, CANDIDATES).choose() == 8
 
 
-def test_observed_draft_time_rescales_the_draft_model():
+def test_observed_times_rescale_the_draft_and_add_the_rest_of_a_step():
     acceptance = AcceptanceProfile(hits=[0.9], visits=[1.0])
     auto = AutoBudget(ForwardProfile({b + 1: 1.0 for b in CANDIDATES}), 0.01, 16, acceptance, CANDIDATES)
-    assert auto.step_seconds(32) == pytest.approx(1.0 + 0.03)
+    assert auto.step_seconds(32, draft_forwards=3) == pytest.approx(1.0 + 0.03)
     tree = TokenTree.from_root(0)
     tree.add_children(torch.zeros(16, dtype=torch.long), torch.arange(16), torch.full((16,), -1.0))
-    auto.observe(tree, Acceptance(path=[], tokens=[99]), draft_seconds=0.2)  # modelled 0.02 s: 10x slower
-    assert auto.step_seconds(32) == pytest.approx(1.0 + 0.3)
+    # Two forwards modelled at 0.02 s took 0.2 s: 10x slower; the walk and the caches took 0.05 s more.
+    auto.observe(tree, Acceptance(path=[], tokens=[99]), draft_seconds=0.2, draft_forwards=2, other_seconds=0.05)
+    assert auto.step_seconds(32, draft_forwards=3) == pytest.approx(1.0 + 0.3 + 0.05)
+
+
+def test_a_fixed_cost_per_step_favours_larger_trees():
+    acceptance = AcceptanceProfile(hits=[0.7, 0.2], visits=[1.0, 1.0])
+    linear = ForwardProfile({b + 1: 0.1 + 0.002 * (b + 1) for b in CANDIDATES})
+    auto = AutoBudget(linear, 0.01, 16, acceptance, CANDIDATES, None, 0.03)
+    without = auto.choose()
+    tree = TokenTree.from_root(0)
+    auto.observe(tree, Acceptance(path=[], tokens=[1]), draft_seconds=0.01, draft_forwards=1, other_seconds=1.0)
+    assert auto.choose() > without
 
 
 def test_forward_profile_interpolates_and_extends_linearly():

@@ -211,10 +211,18 @@ class AcceptanceProfile:
 class AutoBudget:
     """Chooses each step's budget by modelled tokens per second.
 
-    A step at budget ``B`` is modelled as one target forward over ``B + 1`` tokens plus ``1 + ceil(B / E)``
-    draft forwards of ``E = expand_per_forward`` tokens (the first feeds the root, then best-first search
-    expands about one node per tree token), scaled by the running ratio of observed to modelled draft time,
-    which also covers the search's own host time.
+    A step at budget ``B`` is modelled from the best ``B`` nodes under the running acceptance profile (the tree a
+    best-first search grows, see :func:`~specexec_hf.core.static_trees.best_first_nodes`):
+
+    - draft forwards: a node at depth ``d`` exists once its parent was fed, in forward ``d`` at the earliest (the
+      first feeds the root), and one forward expands at most ``E = expand_per_forward`` nodes, so a tree takes
+      ``max(depth, 1 + ceil(interior nodes / E))`` forwards, fewer where ``min_draft_gain`` stops the search: after
+      the first forward that added less than that share of ``1 + forecast`` (the tree's nodes down to that depth);
+    - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached;
+    - time: one target forward over ``B + 1`` tokens, the draft forwards at the measured time of one, scaled by the
+      running ratio of observed to modelled draft time (which also covers the search's own host time), plus the
+      running mean of the rest of a step (the walk, the caches): a cost every step pays whatever its size, which
+      makes larger trees pay more.
 
     Args:
         target_seconds: Target forward time by token count.
@@ -223,6 +231,7 @@ class AutoBudget:
         acceptance: The running acceptance profile.
         candidates: Budgets to choose from.
         max_depth: Tree depth limit, as in :class:`SpecExecConfig`.
+        min_draft_gain: As in :class:`SpecExecConfig`.
     """
 
     def __init__(
@@ -233,6 +242,7 @@ class AutoBudget:
         acceptance: AcceptanceProfile,
         candidates: Sequence[int] = DEFAULT_CANDIDATES,
         max_depth: int | None = None,
+        min_draft_gain: float = 0.0,
     ):
         self.target_seconds = target_seconds
         self.draft_forward_seconds = draft_forward_seconds
@@ -240,30 +250,57 @@ class AutoBudget:
         self.acceptance = acceptance
         self.candidates = sorted(candidates)
         self.max_depth = max_depth
+        self.min_draft_gain = min_draft_gain
         self._draft_observed = 0.0
         self._draft_modelled = 0.0
+        self._other_seconds = 0.0
+        self._steps = 0
+
+    def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, int]]:
+        """``{budget: (modelled tokens per step, modelled draft forwards)}`` for each candidate budget."""
+        depth_limit = min(limit for limit in (self.max_depth, max_depth, max(self.candidates)) if limit is not None)
+        parents, _, values = best_first_nodes(self.acceptance.rates(), max(self.candidates), depth_limit)
+        depths = [0]
+        for parent in parents[1:]:
+            depths.append(depths[parent] + 1)
+        plans = {}
+        for budget in self.candidates:
+            nodes = range(1, min(budget + 1, len(values)))
+            deepest = max((depths[node] for node in nodes), default=0)
+            # forecast[d]: the acceptance of the tree's nodes down to depth d, which forward d makes reachable.
+            forecast = [0.0] * (deepest + 1)
+            for node in nodes:
+                forecast[depths[node]] += values[node]
+            for depth in range(1, deepest + 1):
+                forecast[depth] += forecast[depth - 1]
+            interior = len({parents[node] for node in nodes} - {0})
+            forwards = max(1, deepest, 1 + math.ceil(interior / self.expand_per_forward))
+            if self.min_draft_gain > 0:
+                stall = next(
+                    (depth for depth in range(1, deepest + 1)
+                     if forecast[depth] - forecast[depth - 1] < self.min_draft_gain * (1 + forecast[depth])),
+                    None,
+                )  # fmt: skip
+                forwards = min(forwards, stall) if stall is not None else forwards
+            plans[budget] = (1.0 + forecast[min(forwards, deepest)], forwards)
+        return plans
 
     def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
         """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""
-        depth = min(limit for limit in (self.max_depth, max_depth, max(self.candidates)) if limit is not None)
-        _, _, values = best_first_nodes(self.acceptance.rates(), max(self.candidates), depth)
-        cumulative = [0.0]
-        for value in values:
-            cumulative.append(cumulative[-1] + value)
-        # values[0] is the root (1.0): it stands for the bonus token every step commits.
-        return {b: cumulative[min(b + 1, len(values))] for b in self.candidates}
+        return {budget: tokens for budget, (tokens, _) in self.plan(max_depth).items()}
 
-    def draft_seconds(self, budget: int) -> float:
-        """Modelled drafting time of a tree of ``budget`` tokens, before the running correction."""
-        return self.draft_forward_seconds * (1 + math.ceil(budget / self.expand_per_forward))
-
-    def step_seconds(self, budget: int) -> float:
-        """Modelled wall time of a step: the target over the root and ``budget`` tree tokens, plus drafting."""
+    def step_seconds(self, budget: int, draft_forwards: int) -> float:
+        """Modelled wall time of a step: the target over the root and ``budget`` tree tokens, the draft's forwards
+        (scaled by the observed draft time) and the rest of a step."""
         scale = self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0
-        return self.target_seconds(budget + 1) + scale * self.draft_seconds(budget)
+        other = self._other_seconds / self._steps if self._steps else 0.0
+        return self.target_seconds(budget + 1) + scale * self.draft_forward_seconds * draft_forwards + other
 
     def tokens_per_second(self, max_depth: int | None = None) -> dict[int, float]:
-        return {b: tokens / self.step_seconds(b) for b, tokens in self.expected_tokens(max_depth).items()}
+        return {
+            budget: tokens / self.step_seconds(budget, forwards)
+            for budget, (tokens, forwards) in self.plan(max_depth).items()
+        }
 
     def choose(self, max_depth: int | None = None) -> int:
         """The candidate budget with the highest modelled tokens per second (the smaller one on ties)."""
@@ -275,16 +312,35 @@ class AutoBudget:
         return {
             "acceptance_rates": self.acceptance.rates(),
             "draft_time_scale": self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0,
+            "other_seconds_per_step": self._other_seconds / self._steps if self._steps else 0.0,
+            "modelled_draft_forwards": {budget: forwards for budget, (_, forwards) in self.plan().items()},
             "modelled_tokens_per_step": self.expected_tokens(),
             "modelled_tokens_per_second": self.tokens_per_second(),
             "choice": self.choose(),
         }
 
-    def observe(self, tree: TokenTree, acceptance: Acceptance, draft_seconds: float) -> None:
-        """Updates the acceptance profile and the draft-time correction with one finished step."""
+    def observe(
+        self,
+        tree: TokenTree,
+        acceptance: Acceptance,
+        draft_seconds: float,
+        draft_forwards: int,
+        other_seconds: float = 0.0,
+    ) -> None:
+        """Updates the acceptance profile and the time corrections with one finished step.
+
+        Args:
+            tree: The verified tree.
+            acceptance: Its walk.
+            draft_seconds: Time spent growing it.
+            draft_forwards: The draft forwards that grew it.
+            other_seconds: The step's time beside the draft and the target's forward (the walk, the caches).
+        """
         self.acceptance.observe(tree, acceptance)
         self._draft_observed += draft_seconds
-        self._draft_modelled += self.draft_seconds(tree.num_nodes - 1)
+        self._draft_modelled += self.draft_forward_seconds * draft_forwards
+        self._other_seconds += other_seconds
+        self._steps += 1
 
 
 def new_auto_budget(target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig) -> AutoBudget:
@@ -294,7 +350,8 @@ def new_auto_budget(target: PreTrainedModel, draft: PreTrainedModel, config: Spe
     Args:
         target: The target model.
         draft: The draft model.
-        config: ``max_depth``, ``max_branch`` (acceptance ranks tracked) and ``expand_per_forward``.
+        config: ``max_depth``, ``max_branch`` (acceptance ranks tracked), ``expand_per_forward`` and
+            ``min_draft_gain``.
     """
     return AutoBudget(
         forward_profile(target, [b + 1 for b in DEFAULT_CANDIDATES]),
@@ -303,4 +360,5 @@ def new_auto_budget(target: PreTrainedModel, draft: PreTrainedModel, config: Spe
         AcceptanceProfile.with_prior(config.max_branch),
         DEFAULT_CANDIDATES,
         config.max_depth,
+        config.min_draft_gain,
     )

@@ -33,7 +33,7 @@ class LearntState:
         rank_acceptances: By ranking setting ``(sampling, draft temperature, context-match weights)``, the per-rank
             acceptance vector Sequoia policies chosen by name learn (:meth:`share_learning`).
         auto_budgets: By target (held weakly), then ``(draft temperature, max_depth, max_branch,
-            expand_per_forward)``, the :class:`~.autobudget.AutoBudget` with its running estimates.
+            expand_per_forward, min_draft_gain)``, the :class:`~.autobudget.AutoBudget` with its running estimates.
     """
 
     def __init__(self) -> None:
@@ -97,11 +97,14 @@ class LearntState:
         Args:
             target: The target model.
             draft: The draft model.
-            config: ``max_depth``, ``max_branch`` (acceptance ranks tracked) and ``expand_per_forward``.
+            config: ``max_depth``, ``max_branch`` (acceptance ranks tracked), ``expand_per_forward`` and
+                ``min_draft_gain``.
             draft_temperature: The draft temperature the trees are ranked with (acceptance differs with it).
         """
         by_setting = self.auto_budgets.setdefault(target, {})
-        key = (draft_temperature, config.max_depth, config.max_branch, config.expand_per_forward)
+        key = (
+            draft_temperature, config.max_depth, config.max_branch, config.expand_per_forward, config.min_draft_gain
+        )
         if key not in by_setting:
             by_setting[key] = new_auto_budget(target, draft, config)
         return by_setting[key]
