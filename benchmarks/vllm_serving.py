@@ -216,9 +216,11 @@ class MethodResult:
 
     @property
     def label(self) -> str:
-        """``k = 4``, ``budget 64`` or ``-``: the method's speculation setting, for tables."""
+        """``k = 4``, ``budget 64``, ``budget 64 (32 per request)`` or ``-``: the method's speculation setting, for
+        tables."""
         if self.budget is not None:
-            return f"budget {self.budget}"
+            capped = self.request_budget is not None and self.request_budget < self.budget
+            return f"budget {self.budget}" + (f" ({self.request_budget} per request)" if capped else "")
         return f"k = {self.k}" if self.k is not None else "-"
 
 
@@ -432,8 +434,12 @@ def worker_cores(log: Path) -> list[int] | None:
 
 
 def request_budget(args: argparse.Namespace, budget: int) -> int:
-    """Nodes a request's tree grows to before the step's cut: the step's total, at most ``--request-budget``."""
-    return budget if args.request_budget is None else min(budget, args.request_budget)
+    """Nodes a request's tree grows to before the step's cut: the step's total, at most ``--request-budget`` (its
+    only value, or the one listed at ``budget``'s place in ``--budgets``)."""
+    if args.request_budget is None:
+        return budget
+    caps = args.request_budget
+    return min(budget, caps[0] if len(caps) == 1 else caps[args.budgets.index(budget)])
 
 
 def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, concurrency: int) -> list[str]:
@@ -708,8 +714,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens of draft_model.")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128],
                         help="specexec_tree's tree nodes per engine step, shared by the batch (step_budget).")
-    parser.add_argument("--request-budget", type=int,
-                        help="Cap on one request's tree before the step's cut; default: the step's total.")
+    parser.add_argument("--request-budget", type=int, nargs="+",
+                        help="Cap on one request's tree before the step's cut: one for every budget, or one per "
+                             "budget of --budgets, in order; default: the step's total.")  # fmt: skip
     parser.add_argument("--requests", type=int, default=8, help="Measured completion requests per configuration.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4],
                         help="Client threads, and the server's max-num-seqs: one server per value and method.")
@@ -739,7 +746,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=600, help="Seconds to wait for one completion.")
     parser.add_argument("--output", type=Path, default=Path("runs/vllm_serving.json"))
     args = parser.parse_args(argv)
-    longest = request_budget(args, max(args.budgets)) if "specexec_tree" in args.methods else args.k
+    if args.request_budget is not None and len(args.request_budget) > 1:
+        if len(args.request_budget) != len(args.budgets) or len(set(args.budgets)) < len(args.budgets):
+            parser.error(f"--request-budget lists {len(args.request_budget)} caps: give one, or one per budget of "
+                         f"--budgets {args.budgets} (each budget once)")  # fmt: skip
+    longest = max(request_budget(args, b) for b in args.budgets) if "specexec_tree" in args.methods else args.k
     if args.max_model_len < args.max_tokens + 2 * longest:
         parser.error(f"--max-model-len {args.max_model_len} leaves no room for the prompt, --max-tokens and two "
                      f"proposals of {longest} tokens: vLLM would send zeros instead of drafts")  # fmt: skip

@@ -107,6 +107,19 @@ def test_a_tree_server_shares_the_budget_per_step(budget, cap, per_request):
     assert "--speculative-config" not in vllm_serving.server_args("none", args, "DRAFT", 0, concurrency=8)
 
 
+def test_request_budgets_pair_with_the_step_budgets(capsys):
+    """One --request-budget caps every budget; several pair with --budgets in order; other counts are refused."""
+    args = vllm_serving.parse_args(["--budgets", "8", "16", "32", "--request-budget", "1", "2", "64"])
+    assert [vllm_serving.request_budget(args, b) for b in args.budgets] == [1, 2, 32]
+    args = vllm_serving.parse_args(["--budgets", "8", "16", "--request-budget", "4"])
+    assert [vllm_serving.request_budget(args, b) for b in args.budgets] == [4, 4]
+    for bad in (["--budgets", "8", "16", "--request-budget", "1", "2", "3"],
+                ["--budgets", "8", "8", "--request-budget", "1", "2"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            vllm_serving.parse_args(bad)
+        assert "one per budget" in capsys.readouterr().err
+
+
 def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         vllm_serving.parse_args(["--cache-fraction", "0.3"])
