@@ -295,3 +295,19 @@ def test_cpu_results_give_the_pairs_rates_for_the_projection():
 def test_the_largest_bf16_shape_is_the_biggest_that_fits_host_ram_twice():
     assert gpu_offload.largest_bf16_shape(128 * 2**30).name == "Llama-2-13B"  # 26 GB; CodeLlama-34B needs 148 GB
     assert gpu_offload.largest_bf16_shape(8 * 2**30) is None
+
+
+@pytest.mark.parametrize("shape", ["llama-1b", "llama-8b", "llama-70b"])
+def test_the_gpu_budget_keeps_every_decoder_layer_off_the_gpu_with_a_tied_head_or_not(shape):
+    # Seen on an H200: with the tied Llama-3.2-1B shape the budget counted the head as accelerate's offload reserve
+    # and the first three decoder layers landed on the GPU, so they were never streamed.
+    from specexec_hf.offload import offload_device_map
+
+    found = {**gpu_offload.SHAPES, **gpu_offload.DRAFT_SHAPES}[shape]
+    with torch.device("meta"):
+        skeleton = gpu_offload.LlamaForCausalLM(found.config(4)).to(torch.bfloat16)
+    skeleton.tie_weights()
+    placement = offload_device_map(skeleton, {0: gpu_offload.gpu_budget_bytes(skeleton), "cpu": 0}, torch.bfloat16)
+    on_gpu = {name for name, where in placement.items() if where == 0}
+    assert "model.embed_tokens" in on_gpu
+    assert not any(name.startswith("model.layers.") for name in on_gpu), on_gpu

@@ -121,3 +121,18 @@ def test_the_last_call_s_merged_report_must_hold_every_section(tmp_path):
     partial = call_results(tmp_path / "partial", {name: {"status": status} for name, status in every.items()})
     assert gpu_rehearse.missing_sections(partial / "gpu_offload.json") == ["draft", "disk"]
     assert gpu_rehearse.missing_sections(tmp_path / "absent.json") == list(gpu_rehearse.SECTION_RESULTS)
+
+
+def test_a_call_past_its_deadline_runs_no_step_and_names_each_one_in_its_log(tmp_path):
+    # A lease is 15 minutes: each step's limit is cut to what the call has left, and one that no longer fits is
+    # said, not started (so the device command's timeout never kills the call before its files are written).
+    env = {**os.environ, "PYTHON": os.sys.executable, "GPU_CHECK_CALL_SECONDS": "0",
+           "GPU_CARRY_DIR": str(tmp_path / "carry"), "GPU_CHECK_RUNS": str(tmp_path / "runs")}
+    done = subprocess.run([str(GPU_CHECK), "--call", "1", str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    not_run = [line.split("] ", 1)[1].split(" not run")[0] for line in log.splitlines() if " not run: " in line]
+    assert not_run == ["pytest -m cuda tests", "section link", "section forward", "section draft", "section disk",
+                       "section end_to_end", "section forward", "section largest"], log
+    assert not (tmp_path / "out" / "gpu_offload.json").exists() and not (tmp_path / "out" / "pytest.log").exists()
+    assert done.returncode == 0, done.stderr
