@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from specexec_hf.offload import layer_streamer, load_offloaded, memory
 from specexec_hf.offload import stream as stream_module
-from specexec_hf.offload.layout import prefetch_within, ring_slots, slot_bytes
+from specexec_hf.offload.layout import auto_prefetch, prefetch_within, ring_bytes, ring_slots, slot_bytes
 
 MiB = 2**20
 
@@ -67,7 +67,25 @@ def test_prefetch_within_is_the_deepest_read_ahead_whose_ring_fits(unit_bytes, b
     assert all(ring(deeper) > budget for deeper in range(chosen + 1, len(unit_bytes)))
 
 
-# The model's 8 units take 40 KiB or less each: 300 KiB of headroom fits a ring of three, 1 MiB fits every unit.
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=24), st.integers(0, 3000), st.sampled_from([0.25, 0.5]))
+def test_auto_prefetch_gives_deeper_read_ahead_its_share_of_what_the_smallest_ring_leaves(unit_bytes, headroom, share):
+    smallest = ring_bytes(unit_bytes, 1)
+    allowed = smallest + int(share * max(0, headroom - smallest))
+    chosen = auto_prefetch(unit_bytes, headroom, share)
+    assert chosen >= 1 and ring_bytes(unit_bytes, chosen) <= allowed
+    assert all(ring_bytes(unit_bytes, deeper) > allowed for deeper in range(chosen + 1, len(unit_bytes)))
+
+
+def test_a_head_bigger_than_the_share_no_longer_leaves_the_layers_without_read_ahead():
+    # The default target under ssd.py's cap: 30 layers of 14 MB and a 113 MB tied head (a buffer of its own), 242 MB
+    # of room. Charging the 142 MB smallest ring against half the room gave prefetch 1.
+    unit_bytes = [14 * MiB] * 30 + [113 * MiB]
+    assert prefetch_within(unit_bytes, 121 * MiB) == 1
+    assert auto_prefetch(unit_bytes, 242 * MiB, 0.5) == 4
+
+
+# The model's 8 units take 40 KiB or less each: 300 KiB of headroom allows some read-ahead, 1 MiB every unit.
 @pytest.mark.parametrize("headroom_kib, expect_all_loaded", [(0, False), (300, False), (1024, True), (None, False)])
 def test_auto_ring_fits_its_share_of_the_headroom_and_computes_what_the_model_in_memory_does(
     tmp_path, monkeypatch, headroom_kib, expect_all_loaded
@@ -81,7 +99,8 @@ def test_auto_ring_fits_its_share_of_the_headroom_and_computes_what_the_model_in
     streamer = layer_streamer(streamed)
     assert (streamer.prefetch > 1) == bool(headroom)
     if streamer.prefetch > 1:
-        assert streamer.buffer_bytes <= headroom * stream_module.AUTO_RING_SHARE
+        smallest = layer_streamer(load_offloaded(tmp_path, max_memory={"cpu": 0}, prefetch=1)).buffer_bytes
+        assert streamer.buffer_bytes - smallest <= (headroom - smallest) * stream_module.AUTO_RING_SHARE
     assert (streamer.streamed_bytes_per_forward == 0) == expect_all_loaded
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

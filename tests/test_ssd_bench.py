@@ -39,13 +39,15 @@ def test_goals_and_projection_from_measured_rows():
         {"method": "HF assisted (defaults)", "tokens": [1] * 8, "seconds": 2.0, "target_forwards": 4,
          "equals_plain_greedy": True},
         {"method": "SpecExec budget 16", "tokens": [1] * 8, "seconds": 1.0, "target_forwards": 2, "draft_seconds": 0.2,
-         "equals_plain_greedy": True},
+         "verify_seconds": 0.7, "equals_plain_greedy": True},
         {"method": "SpecExec budget auto", "tokens": [1] * 8, "seconds": 1.25, "target_forwards": 2,
-         "draft_seconds": 0.2, "equals_plain_greedy": False},
+         "draft_seconds": 0.2, "verify_seconds": 0.9, "equals_plain_greedy": False},
     ]
     methods = ssd.summarize(rows)
     assert methods["SpecExec budget 16"]["tokens_per_target_forward"] == 4
     assert methods["SpecExec budget 16"]["draft_seconds_per_step"] == pytest.approx(0.1)
+    assert methods["SpecExec budget 16"]["verify_seconds_per_step"] == pytest.approx(0.35)
+    assert methods["SpecExec budget 16"]["seconds_per_step"] == pytest.approx(0.5)
     assert not methods["SpecExec budget auto"]["all_equal_plain_greedy"]
     goals = ssd.goals({"end_to_end": {"methods": methods}})
     assert goals["SpecExec budget 16 vs plain generate (goal >= 2.5)"] == pytest.approx(4.0)

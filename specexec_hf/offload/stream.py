@@ -36,7 +36,7 @@ from .layout import (
     StoredWeight,
     bind_views,
     plan_runs,
-    prefetch_within,
+    auto_prefetch,
     ring_slots,
     slot_bytes,
     slot_members,
@@ -47,8 +47,9 @@ from .memory import memory_headroom
 # Alignment of the CPU ring's runs: the file offset modulo a block, so that direct reads land in place.
 _RING_ALIGNMENT = BLOCK
 AUTO_RING_SHARE = 0.5
-"""Share of the memory headroom ``prefetch="auto"`` gives the ring: the rest stays for activations, KV caches, the
-draft and the embedding rows read through the page cache."""
+"""Share of the memory headroom, beside the smallest ring, that ``prefetch="auto"`` gives deeper read-ahead
+(:func:`~.layout.auto_prefetch`): the rest stays for activations, KV caches, the draft and the embedding rows read
+through the page cache."""
 
 
 def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
@@ -125,9 +126,10 @@ class LayerStreamer:
         Args:
             model: A model dispatched by accelerate with ``unit_names`` on disk and everything else on the CPU.
             unit_names: The disk-placed weight units, in execution order.
-            prefetch: Units read ahead of the one computing, or ``"auto"``: the deepest read-ahead whose ring takes
-                at most :data:`AUTO_RING_SHARE` of the memory the process can still take
-                (:func:`~.memory.memory_headroom`, cgroup limits included; 1 where it cannot be read).
+            prefetch: Units read ahead of the one computing, or ``"auto"``: the deepest read-ahead whose ring, beyond
+                the smallest one, takes at most :data:`AUTO_RING_SHARE` of the memory the process can still take
+                beside that (:func:`~.memory.memory_headroom`, cgroup limits included; 1 where it cannot be read;
+                see :func:`~.layout.auto_prefetch`).
 
         Returns:
             The streamer, or ``None`` when no unit needs streaming.
@@ -148,7 +150,7 @@ class LayerStreamer:
         unit_bytes = [size for size, _ in plans]
         if prefetch == "auto":
             headroom = memory_headroom()
-            prefetch = 1 if headroom is None else prefetch_within(unit_bytes, int(headroom * AUTO_RING_SHARE), BLOCK)
+            prefetch = 1 if headroom is None else auto_prefetch(unit_bytes, headroom, AUTO_RING_SHARE, BLOCK)
         slot_of = ring_slots(len(streamed), prefetch, unit_bytes)
         slots = [RingSlot(aligned_empty(size)) for size in slot_bytes(unit_bytes, slot_of, BLOCK)]
         units = []
