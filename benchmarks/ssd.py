@@ -58,7 +58,7 @@ from memory_cap import MemoryCap, evict  # noqa: E402
 from offload import disk_read_seconds, forward_seconds, load_draft  # noqa: E402
 
 import specexec_hf  # noqa: E402
-from specexec_hf.models import target_cache_dir  # noqa: E402
+from specexec_hf.models import native_bfloat16_cpu, target_cache_dir  # noqa: E402
 from specexec_hf.offload import layer_streamer, load_offloaded  # noqa: E402
 from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
 
@@ -449,7 +449,7 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown tables."""
     env = report["environment"]
     lines = ["# A model bigger than RAM, streamed from the SSD", "",
-             f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}; {env['threads']} thread(s); "
+             f"{env['machine']} ({env.get('cpu', 'processor not recorded')}); torch {env['torch']}, transformers {env['transformers']}; {env['threads']} thread(s); "
              f"memory cap: {env['cap']}; cache fraction {env['cache_fraction']}; load average {env['load_before']} "
              f"before. Command: `{env['command']}`", ""]
     if report.get("bound"):
@@ -618,6 +618,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def cpu_description() -> str:
+    """The processor's model name and whether it multiplies bfloat16 natively: a bf16 target's compute-bound
+    forwards differ by several times between machines that do and machines that convert every weight first."""
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    native = "native bfloat16 matmuls" if native_bfloat16_cpu() else "no native bfloat16 matmuls"
+    return f"{names[0] if names else platform.processor() or 'unknown processor'}, {native}"
+
+
 def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | None, dict[str, Any]]:
     """This process in a memory group of its own (none with ``--no-cap``) and the run's environment for the report.
 
@@ -635,7 +644,7 @@ def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | N
         cap = MemoryCap(f"specexec-{Path(script).stem}-{os.getpid()}")
         cap.join()  # first: pages charged before joining would stay outside the group
     return cap, {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
         "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
