@@ -357,10 +357,10 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                  "all_equal_plain_greedy": all(row["equals_plain_greedy"] for row in group)}
         if all("target_forwards" in row for row in group):
             entry["tokens_per_target_forward"] = tokens / sum(row["target_forwards"] for row in group)
-        if all("draft_seconds" in row for row in group):
-            steps = sum(row["target_forwards"] for row in group)
-            entry["draft_seconds_per_step"] = sum(row["draft_seconds"] for row in group) / steps
-            entry["verify_seconds_per_step"] = sum(row["verify_seconds"] for row in group) / steps
+        steps = sum(row.get("target_forwards", 0) for row in group)
+        for key in ("draft_seconds", "verify_seconds"):  # SpecExec rows; reports before verify_seconds lack it
+            if steps and all(key in row for row in group):
+                entry[f"{key}_per_step"] = sum(row[key] for row in group) / steps
         if "tokens_per_target_forward" in entry:
             entry["seconds_per_step"] = entry["tokens_per_target_forward"] / entry["tokens_per_second"]
         summary[method] = entry
