@@ -51,7 +51,9 @@ def test_the_agreeing_request_gets_the_nodes():
 
 
 def test_the_proposer_setting():
-    vllm = pytest.importorskip("specexec_hf.integrations.vllm")
+    pytest.importorskip("vllm")  # the integration raises a plain ImportError naming the install when vllm is absent
+    import specexec_hf.integrations.vllm as vllm
+
     settings = vllm.ProposerSettings.from_sources({"draft_model": "d", "tree_verification": True, "step_budget": 48}, {})
     assert settings.step_budget == 48
     environment = {"SPECEXEC_DRAFT_MODEL": "d", "SPECEXEC_TREE_VERIFICATION": "1", "SPECEXEC_STEP_BUDGET": "32"}

@@ -133,8 +133,7 @@ def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, ca
 
 
 def test_tree_draft_settings_reach_the_proposer(tmp_path):
-    """--draft-dtype and --draft-vocab go to the tree proposer's settings only; the default pair's draft vocabulary
-    is written into the exported draft's folder, where the proposer reads it by default."""
+    """--draft-dtype and --draft-vocab go to the tree proposer's settings only."""
     args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16"])
     command = vllm_serving.server_args("specexec_tree", args, "DRAFT", 16, concurrency=1)
     settings = json.loads(command[command.index("--speculative-config") + 1])["draft_load_config"]
@@ -142,6 +141,11 @@ def test_tree_draft_settings_reach_the_proposer(tmp_path):
     assert (settings["draft_vocab"], settings["draft_dtype"]) == ("vocab.json", "bfloat16")
     draft_model = vllm_serving.server_args("draft_model", args, "DRAFT", 16, concurrency=1)
     assert "vocab.json" not in draft_model[draft_model.index("--speculative-config") + 1]
+
+
+def test_the_default_pair_s_draft_vocabulary_is_written_where_the_proposer_reads_it(tmp_path):
+    """Into the exported draft's folder, where the proposer reads it by default."""
+    pytest.importorskip("vllm")
     from specexec_hf.integrations.vllm import ProposerSettings, read_token_ids
 
     path = vllm_serving.shipped_draft_vocab(tmp_path)
