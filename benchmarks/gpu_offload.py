@@ -364,7 +364,7 @@ def gpu_budget_bytes(model: torch.nn.Module) -> int:
     largest = max(sum(p.nbytes for p in module.parameters(recurse=False) if p is not embedding)
                   for module in model.modules())
     largest = max(largest, max(sum(p.nbytes for p in layer.parameters()) for layer in model.model.layers))
-    return model.get_input_embeddings().weight.nbytes + largest + (1 << 20)
+    return embedding.nbytes + largest + (1 << 20)
 
 
 def placement_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -58,13 +58,14 @@ def test_unreadable_memory_information_gives_none(tmp_path):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=24), st.integers(0, 2000), st.sampled_from([1, 8]))
 def test_prefetch_within_is_the_deepest_read_ahead_whose_ring_fits(unit_bytes, budget, alignment):
-    def ring(prefetch):
+    def ring(prefetch):  # the ring's bytes from its parts, not through ring_bytes, which prefetch_within uses
         return sum(slot_bytes(unit_bytes, ring_slots(len(unit_bytes), prefetch, unit_bytes), alignment))
 
     chosen = prefetch_within(unit_bytes, budget, alignment)
     assert chosen >= 1
     assert chosen == 1 or ring(chosen) <= budget
     assert all(ring(deeper) > budget for deeper in range(chosen + 1, len(unit_bytes)))
+    assert all(ring(prefetch) == ring_bytes(unit_bytes, prefetch, alignment) for prefetch in range(1, chosen + 2))
 
 
 @settings(max_examples=200, deadline=None)

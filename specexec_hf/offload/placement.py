@@ -70,8 +70,9 @@ def load_offloaded(
         dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
         prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing; on the CPU also
             ``"auto"``: the deepest read-ahead whose ring, beyond the smallest (prefetch 1), takes at most half the
-            memory the process can still take beside that (cgroup limits included), which keeps the disk busier and reads more of the next forward during the
-            draft's tree growth (with room for every module, each is read once and stays loaded).
+            memory the process can still take beside that (cgroup limits included), which keeps the disk busier and
+            reads more of the next forward during the draft's tree growth (with room for every module, each is read
+            once and stays loaded).
 
     Returns:
         The model in eval mode, with SDPA attention. For ``"stream"``, :func:`layer_streamer` returns its
