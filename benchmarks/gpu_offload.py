@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import faulthandler
 import gc
 import itertools
 import json
@@ -318,13 +319,19 @@ def sharing_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 QUANTIZED_WEIGHTS = ("int8", "int4")
+STACKS_AFTER_BUDGET_SECONDS = 8
 
 
 def quantize_layers(model: torch.nn.Module, weights: str) -> None:
     """Quantizes the decoder layers' linear weights in place with optimum-quanto (``"int8"`` or ``"int4"``); the
-    embedding, norms and head keep their dtype, as in the common 4-bit checkpoints."""
+    embedding, norms and head keep their dtype, as in the common 4-bit checkpoints. Packed weights unpack on the
+    GPU with quanto's portable kernel (``specexec_hf.patches.quanto_unpack``), not its CUDA extension, which quanto
+    would otherwise compile inside the first timed forward."""
     from optimum import quanto
 
+    from specexec_hf.patches import quanto_unpack
+
+    quanto_unpack.apply()
     quanto.quantize(model, weights={"int8": quanto.qint8, "int4": quanto.qint4}[weights], include=["model.layers.*"])
     quanto.freeze(model)
 
@@ -1483,6 +1490,9 @@ def main(argv: list[str] | None = None) -> int:
                         "/var/tmp with room, preferring one that allows O_DIRECT)")
     args = parser.parse_args(argv)
     deadline = Deadline(args.time_budget)
+    # Past its budget a section is about to be killed by scripts/gpu_check (at the budget + 15 s): every thread's
+    # stack goes to the log first, so a section killed at its limit shows where it was.
+    faulthandler.dump_traceback_later(args.time_budget + STACKS_AFTER_BUDGET_SECONDS)
     torch.set_num_threads(min(8, os.cpu_count() or 1) if not args.tiny else 1)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

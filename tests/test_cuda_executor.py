@@ -602,6 +602,17 @@ def quantized_pair(folder: str, weights: str):
 needs_quanto = pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
 
 
+@pytest.fixture
+def quanto_unpack_on_cuda():
+    """quanto's portable unpack kernel on CUDA: without it the first int4 weight on the GPU compiles quanto's CUDA
+    extension (minutes; the first GPU run's int4 test did not finish in 70 s)."""
+    from specexec_hf.patches import quanto_unpack
+
+    quanto_unpack.apply()
+    yield
+    quanto_unpack.revert()
+
+
 @needs_quanto
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("prefetch", [1, 2])
@@ -649,7 +660,7 @@ def test_quantized_weights_on_disk_are_refused_before_writing_anything():
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_cuda_quantized_streamed_logits_equal_the_quantized_model_on_the_gpu(weights):
+def test_cuda_quantized_streamed_logits_equal_the_quantized_model_on_the_gpu(weights, quanto_unpack_on_cuda):
     """On the GPU, quanto repacks weights for its kernels; the streamer streams that device form."""
     with tempfile.TemporaryDirectory() as folder:
         target, load_quantized = quantized_pair(folder, weights)

@@ -1,0 +1,80 @@
+"""optimum-quanto unpacks 4- and 2-bit weights on a CUDA device without compiling its CUDA extension.
+
+optimum-quanto 0.2 registers ``quanto::unpack`` for CUDA as a call into ``quanto_cuda``, an extension it builds
+with nvcc and ninja the first time a packed weight is unpacked on a GPU: eight sources, the AWQ and Marlin kernels
+among them, several minutes of compilation inside the first forward (and an error where no CUDA toolkit is
+installed). An int4 weight unpacks on the GPU when it moves there (quanto's ``.to("cuda")`` repacks it for the
+device; the streaming executor keeps quantized layers in that device form) and in the dequantizing matmul of
+weights outside the TinyGemm and AWQ layouts. On the first GPU run of the int4 benchmark (issue #32) the forward
+did not finish within its 60 s for this reason.
+
+The patch registers quanto's own portable kernel (the op's ``default`` implementation: shifts and masks on
+``uint8``, the same integers) as the CUDA kernel instead. quanto's other CUDA kernels (AWQ fp16 matmuls, Marlin
+fp8) are untouched and still build on their own first use. ``apply()`` is idempotent, ``revert()`` gives the op
+back its previous CUDA kernel, and ``apply()`` refuses an optimum-quanto outside ``SUPPORTED_VERSIONS``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+SUPPORTED_VERSIONS = SpecifierSet(">=0.2,<0.3")
+_PORTABLE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+_registration: torch.library.Library | None = None
+
+
+def check_version(version: str) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is an optimum-quanto release whose ``quanto::unpack`` op and
+    portable kernel (``optimum.quanto.library.unpack.unpack``) the patch was read against.
+
+    Args:
+        version: optimum-quanto's version.
+    """
+    if Version(Version(version).base_version) not in SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"specexec_hf.patches.quanto_unpack was written for optimum-quanto {SUPPORTED_VERSIONS} (its quanto::unpack "
+            f"op and portable kernel); found {version}. Install optimum-quanto==0.2.7, or let quanto build its CUDA "
+            "extension (nvcc and ninja; minutes on first use)."
+        )
+
+
+def apply() -> None:
+    """Makes ``quanto::unpack`` on CUDA tensors run quanto's portable kernel (idempotent).
+
+    Raises:
+        RuntimeError: optimum-quanto is of another release line.
+        ModuleNotFoundError: optimum-quanto is not installed.
+    """
+    global _registration
+    if _registration is not None:
+        return
+    check_version(importlib.metadata.version("optimum-quanto"))
+    import optimum.quanto  # noqa: F401 (defines the op and its portable kernel)
+
+    registration = torch.library.Library("quanto", "IMPL")
+    # torch releases that refuse a second Python kernel for one key unless told take `allow_override`.
+    override = {"allow_override": True} if "allow_override" in inspect.signature(registration.impl).parameters else {}
+    registration.impl("unpack", _portable_unpack, "CUDA", **override)
+    _registration = registration
+
+
+def _portable_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's ``default`` (CompositeExplicitAutograd) kernel of ``quanto::unpack``, which runs on any device."""
+    return torch.ops.quanto.unpack.default.redispatch(_PORTABLE, packed, bits)
+
+
+def revert() -> None:
+    """Gives ``quanto::unpack`` back the CUDA kernel it had before :func:`apply` (nothing if not applied)."""
+    global _registration
+    if _registration is not None:
+        _registration._destroy()
+        _registration = None
+
+
+def is_applied() -> bool:
+    return _registration is not None
