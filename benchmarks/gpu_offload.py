@@ -319,7 +319,6 @@ def sharing_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 QUANTIZED_WEIGHTS = ("int8", "int4")
-STACKS_AFTER_BUDGET_SECONDS = 8
 
 
 def quantize_layers(model: torch.nn.Module, weights: str) -> None:
@@ -1490,9 +1489,10 @@ def main(argv: list[str] | None = None) -> int:
                         "/var/tmp with room, preferring one that allows O_DIRECT)")
     args = parser.parse_args(argv)
     deadline = Deadline(args.time_budget)
-    # Past its budget a section is about to be killed by scripts/gpu_check (at the budget + 15 s): every thread's
-    # stack goes to the log first, so a section killed at its limit shows where it was.
-    faulthandler.dump_traceback_later(args.time_budget + STACKS_AFTER_BUDGET_SECONDS)
+    # A section past its budget is about to be killed by scripts/gpu_check (15 s after the budget, counted from
+    # before the imports, which took 7-10 s on the H200): every thread's stack goes to the log first, so a section
+    # killed at its limit shows where it was.
+    faulthandler.dump_traceback_later(args.time_budget)
     torch.set_num_threads(min(8, os.cpu_count() or 1) if not args.tiny else 1)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

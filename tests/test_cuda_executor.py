@@ -646,6 +646,32 @@ def test_quantized_target_streams_packed_weights_and_specexec_equals_its_own_gre
     assert got.tolist() == expected.tolist()
 
 
+def test_a_model_in_memory_is_placed_without_calling_its_state_dict():
+    """accelerate's dispatch_model checks a map with model.state_dict(), which unpacks quanto's int4 TinyGemm weights
+    through a matrix product on the CPU: minutes for a 70B layer. A map of RAM-placed units needs no dispatch."""
+    model = tiny_model("llama", seed=4, num_layers=3, dtype=torch.float32)
+    ids = prompt(2, 9)
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("state_dict() called while placing")
+
+    placing = copy.deepcopy(model)
+    placing.state_dict = refuse
+    streamed = stream_on_device(placing, layer_map(placing, "cpu"), OrderCheckingDevice(), prefetch=1)
+    with torch.no_grad():
+        assert torch.equal(streamed(ids).logits, expected)
+
+
+def test_a_device_map_leaving_a_weight_unplaced_is_refused_naming_it():
+    model = tiny_model("llama", seed=4, num_layers=3, dtype=torch.float32)
+    device_map = layer_map(model, "cpu")
+    del device_map["model.layers.1"]
+    with pytest.raises(ValueError, match=r"places no module holding 'model\.layers\.1\..*offload_device_map"):
+        stream_on_device(model, device_map, OrderCheckingDevice())
+
+
 @needs_quanto
 def test_quantized_weights_on_disk_are_refused_before_writing_anything():
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as offload:

@@ -282,9 +282,37 @@ def _dispatch_in_memory_model(
             )
         # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
         write_offload_folder(offload_folder, extract_submodules_state_dict(model.state_dict(), disk_units))
+    if set(device_map.values()) == {"cpu"}:
+        # What dispatch_model does for a one-device map, less its completeness check's model.state_dict(): quanto's
+        # int4 (TinyGemm) weights on the CPU unpack there through a product with an identity matrix, minutes for
+        # one Llama-3-70B layer (seen on the first GPU run, issue #32).
+        uncovered = _tensors_outside(model, device_map)
+        if uncovered:
+            raise ValueError(
+                f"The device_map places no module holding {uncovered[0]!r} ({len(uncovered)} tensor(s) unplaced): "
+                "build it with offload_device_map(model, max_memory), which places every weight unit."
+            )
+        model = use_sdpa_attention(model).to("cpu")
+        model.hf_device_map = dict(device_map)
+        return model
     return dispatch_model(
         use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
     )
+
+
+def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> list[str]:
+    """The names ``model.state_dict()`` would have (parameters, tied ones under each name, persistent buffers)
+    that no module of ``device_map`` holds."""
+    if "" in device_map:
+        return []
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        names += [
+            f"{prefix}.{name}" if prefix else name
+            for name, buffer in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set
+        ]
+    return [name for name in names if not any(name == unit or name.startswith(unit + ".") for unit in device_map)]
 
 
 def write_offload_folder(folder: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
