@@ -247,3 +247,54 @@ def test_draft_offloaded_by_accelerate_runs_where_its_hooks_compute(tmp_path, bu
         ids, max_new_tokens=16, do_sample=False, assistant_model=draft, speculator="specexec", budget=budget
     )
     assert got.tolist() == expected.tolist()
+
+
+@st.composite
+def walked_trees(draw):
+    """A tree whose children score at most their parent (as best-first trees do, ties included), and a walk down it:
+    (tree, accepted path below the root, the walk's tokens with the bonus token last)."""
+    tree = TokenTree.from_root(0)
+    for node in range(1, draw(st.integers(1, 40)) + 1):
+        parent = draw(st.integers(0, node - 1))
+        drop = draw(st.sampled_from([0.0, 0.0, 0.5, 1.0, 2.5]))  # repeated scores exercise the index tie-break
+        score = float(tree.logprobs[parent]) - drop
+        tree.add_children(torch.tensor([parent]), torch.tensor([node]), torch.tensor([score]))
+    parents, tokens = tree.host_lists()
+    path, node = [], 0
+    while (children := [c for c in range(tree.num_nodes) if c > 0 and parents[c] == node]) and draw(st.booleans()):
+        node = draw(st.sampled_from(children))
+        path.append(node)
+    return tree, path, [tokens[n] for n in path] + [-1]
+
+
+@given(walked=walked_trees(), budgets=st.lists(st.integers(1, 48), min_size=1, max_size=6, unique=True))
+def test_tokens_within_a_budget_are_the_walk_through_the_trees_best_nodes(walked, budgets):
+    from specexec_hf.core.search import rank_nodes, walked_nodes
+
+    tree, path, choices = walked
+    within = autobudget.tokens_within_budgets(tree, path, budgets)
+    for budget in budgets:
+        best = rank_nodes(tree.logprobs)[: budget + 1].sort().values
+        assert best.tolist() == sorted(set(best.tolist()))
+        smaller = tree.select(best)
+        assert within[budget] == len(walked_nodes(smaller, choices))  # each node visited commits one token
+
+
+def test_observed_walks_replace_the_modelled_tokens_and_move_the_choice_to_smaller_trees():
+    acceptance = AcceptanceProfile(hits=[0.8, 0.3, 0.1], visits=[1.0, 1.0, 1.0])
+    sublinear = ForwardProfile({b + 1: 1.0 + 0.002 * (b + 1) for b in CANDIDATES})
+    auto = AutoBudget(sublinear, 0.01, 16, acceptance, CANDIDATES)
+    first = auto.choose()
+    # A chain of 300 nodes whose walks accept its first two nodes: deeper nodes never pay.
+    tree = TokenTree.from_root(0)
+    for node in range(1, 301):
+        tree.add_children(torch.tensor([node - 1]), torch.tensor([node]), torch.tensor([-0.01 * node]))
+    for _ in range(20):
+        auto.observe(tree, Acceptance(path=[1, 2], tokens=[1, 2, 7]), 0.01, 1, budget=256)
+    observed = auto.expected_tokens()
+    modelled = AutoBudget(sublinear, 0.01, 16, auto.acceptance, CANDIDATES).expected_tokens()  # same profile, no walks
+    for budget in (8, 16, 32, 64, 128, 256):  # observed: 3 tokens, blended with the model over its first steps
+        assert observed[budget] == pytest.approx((20 * 3 + 2 * modelled[budget]) / 22)
+    for budget in (512, 1024):  # above the largest observed budget: the model times the ratio observed there
+        assert observed[budget] == pytest.approx(modelled[budget] * observed[256] / modelled[256])
+    assert first >= 128 and auto.choose() <= 16  # nothing past depth 2 pays: the smallest trees that hold it

@@ -8,7 +8,11 @@ Sequoia's idea applied to dynamic trees. Two measurements model a step at budget
 - tokens: the expected tokens per step, ``1 + (sum of the B best node values)`` under the running per-rank
   acceptance profile (how often the target's choice was the draft's rank-r child). Under that model the best
   tree of any size is its best nodes (see :class:`specexec_hf.core.static_trees.SequoiaSearch`), which is what
-  SpecExec's best-first tree approximates.
+  SpecExec's best-first tree approximates. It overrates large trees (the real tree is ranked by the draft, not by
+  the acceptance it will meet): on the default pair in memory the observed tokens per step were 0.94x the modelled
+  ones at budget 8 and 0.71x at budget 256. So every walk also yields observed tokens for each candidate budget up
+  to the one it was grown at (the walk cut where its path leaves the tree's best ``b`` nodes), which replace the
+  model there; larger budgets keep the model scaled by the largest observed budget's ratio.
 
 Before every step the budget with the highest ``tokens / time`` among the candidates is used; after it the
 acceptance walk and the draft time update the running estimates.
@@ -30,6 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.config import SpecExecConfig
+from ..core.search import rank_nodes
 from ..core.static_trees import best_first_nodes
 from ..core.tree import TokenTree
 from ..core.verify import Acceptance
@@ -41,6 +46,7 @@ from .kv import compact_cache, new_cache
 DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
 PROFILE_CONTEXT = 128  # tokens in the cache while timing, a typical prompt-plus-answer length
 PROFILE_FILE_NAME = "forward_profiles.json"
+MODEL_WEIGHT_STEPS = 2.0  # observed tokens at a budget outweigh the model there after this many steps
 
 
 @dataclass
@@ -208,6 +214,28 @@ class AcceptanceProfile:
                 self.hits[rank] += token == chosen
 
 
+def tokens_within_budgets(tree: TokenTree, path: Sequence[int], budgets: Sequence[int]) -> dict[int, int]:
+    """The tokens a step would have committed had its tree been only its best ``b`` nodes, for each ``b``.
+
+    The tree's nodes ranked by score (the best-first order, ties to the lower index) put every parent ahead of its
+    children, so the best ``b`` form a tree; the walk's path through it is the prefix of ``path`` ranked within the
+    best ``b``, and the target's choice after it the bonus token.
+
+    Args:
+        tree: The verified tree (node 0 the root), ``logprobs`` its nodes' ranking scores.
+        path: The walk's accepted tree nodes below the root.
+        budgets: Tree sizes without the root.
+    """
+    rank = torch.empty(tree.num_nodes, dtype=torch.long)
+    rank[rank_nodes(tree.logprobs.cpu())] = torch.arange(tree.num_nodes)
+    ranks = rank[torch.tensor(list(path), dtype=torch.long)].tolist() if path else []
+    within = {}
+    for budget in budgets:
+        prefix = next((i for i, r in enumerate(ranks) if r > budget), len(ranks))
+        within[budget] = 1 + prefix
+    return within
+
+
 class AutoBudget:
     """Chooses each step's budget by modelled tokens per second.
 
@@ -218,7 +246,10 @@ class AutoBudget:
       first feeds the root), and one forward expands at most ``E = expand_per_forward`` nodes, so a tree takes
       ``max(depth, 1 + ceil(interior nodes / E))`` forwards, fewer where ``min_draft_gain`` stops the search: after
       the first forward that added less than that share of ``1 + forecast`` (the tree's nodes down to that depth);
-    - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached;
+    - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached; once walks have been observed,
+      the mean tokens they would have committed at that budget (:func:`tokens_within_budgets`), blended with the
+      model over its first ``MODEL_WEIGHT_STEPS`` steps; above the largest observed budget, the model times the
+      observed-to-modelled ratio there;
     - time: one target forward over ``B + 1`` tokens, the draft forwards at the measured time of one, scaled by the
       running ratio of observed to modelled draft time (which also covers the search's own host time), plus the
       running mean of the rest of a step (the walk, the caches): a cost every step pays whatever its size, which
@@ -255,6 +286,9 @@ class AutoBudget:
         self._draft_modelled = 0.0
         self._other_seconds = 0.0
         self._steps = 0
+        # Per candidate budget: the tokens observed walks would have committed there, and how many walks.
+        self._observed_tokens = dict.fromkeys(self.candidates, 0.0)
+        self._observed_walks = dict.fromkeys(self.candidates, 0)
 
     def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, int]]:
         """``{budget: (modelled tokens per step, modelled draft forwards)}`` for each candidate budget."""
@@ -283,7 +317,23 @@ class AutoBudget:
                 )  # fmt: skip
                 forwards = min(forwards, stall) if stall is not None else forwards
             plans[budget] = (1.0 + forecast[min(forwards, deepest)], forwards)
-        return plans
+        return self._with_observed_tokens(plans)
+
+    def _with_observed_tokens(self, plans: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
+        """``plans`` with each budget's modelled tokens replaced by what the walks observed there (see the class)."""
+        observed = [budget for budget in self.candidates if self._observed_walks[budget]]
+        if not observed:
+            return plans
+        corrected = {}
+        for budget, (modelled, forwards) in plans.items():
+            walks = self._observed_walks[budget]
+            if walks:
+                tokens = (self._observed_tokens[budget] + MODEL_WEIGHT_STEPS * modelled) / (walks + MODEL_WEIGHT_STEPS)
+            else:
+                anchor = max(observed)
+                tokens = modelled * corrected[anchor][0] / plans[anchor][0] if budget > anchor else modelled
+            corrected[budget] = (tokens, forwards)
+        return corrected
 
     def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
         """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""
@@ -326,8 +376,9 @@ class AutoBudget:
         draft_seconds: float,
         draft_forwards: int,
         other_seconds: float = 0.0,
+        budget: int | None = None,
     ) -> None:
-        """Updates the acceptance profile and the time corrections with one finished step.
+        """Updates the acceptance profile, the observed tokens per budget and the time corrections with one step.
 
         Args:
             tree: The verified tree.
@@ -335,8 +386,15 @@ class AutoBudget:
             draft_seconds: Time spent growing it.
             draft_forwards: The draft forwards that grew it.
             other_seconds: The step's time beside the draft and the target's forward (the walk, the caches).
+            budget: The budget it was grown at (default: its size); a tree that stopped short of it (the search
+                gained too little) is what every budget between its size and that one would have grown.
         """
         self.acceptance.observe(tree, acceptance)
+        grown_at = tree.num_nodes - 1 if budget is None else budget
+        reached = [b for b in self.candidates if b <= grown_at]
+        for b, tokens in tokens_within_budgets(tree, acceptance.path, reached).items():
+            self._observed_tokens[b] += tokens
+            self._observed_walks[b] += 1
         self._draft_observed += draft_seconds
         self._draft_modelled += self.draft_forward_seconds * draft_forwards
         self._other_seconds += other_seconds

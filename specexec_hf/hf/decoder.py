@@ -207,7 +207,8 @@ class SpecExecDecoder:
         compact_cache(self.cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
         if self.auto_budget is not None:
             self.auto_budget.observe(
-                grown.tree, acceptance, drafted - started, grown.draft_forwards, time.perf_counter() - verified
+                grown.tree, acceptance, drafted - started, grown.draft_forwards, time.perf_counter() - verified,
+                budget=self.drafter.config.budget,
             )
         pending = length - self.cached
         self.cached = length + len(acceptance.path)
