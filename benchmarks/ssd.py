@@ -283,6 +283,9 @@ def methods(draft, args) -> dict[str, dict]:
             "assistant_confidence_threshold": 0.0}
     for budget in args.budgets:
         compared[f"SpecExec budget {budget}"] = {"assistant_model": draft, "speculator": "specexec", "budget": budget}
+        if args.draft_ahead:
+            compared[f"SpecExec budget {budget} + draft ahead"] = {
+                **compared[f"SpecExec budget {budget}"], "draft_ahead": True}
     return compared
 
 
@@ -586,6 +589,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--budgets", nargs="+", default=["8", "16", "32", "64", "128", "256", "auto"])
+    parser.add_argument("--draft-ahead", action="store_true",
+                        help="also each budget with draft_ahead=True (the draft grows on while the target verifies)")
     parser.add_argument("--assistant-tokens", type=int, nargs="*", default=[],
                         help="HF assisted with constant chains of these lengths, besides its defaults")
     parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 4, 16, 64, 256])

@@ -75,6 +75,62 @@ def test_draft_cache_reuses_accepted_nodes_and_matches_recomputation(device, see
     assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, diverged), draft)
 
 
+@given(seed=st.integers(0, 2**16), budget=st.integers(2, 16), data=st.data())
+def test_a_tree_grown_ahead_seeds_the_next_and_its_draft_logits_equal_recomputation(seed, budget, data):
+    """draft_ahead: the search grown on past the verified tree; a history continuing down fed pool nodes starts the
+    next tree from the subtree there, its draft cache holding exactly each kept node's ancestors."""
+    from specexec_hf.hf.draft_cache import forward_feeds
+
+    draft = tiny_model("llama", seed=seed)
+    history = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed))
+    config = SpecExecConfig(budget=budget, expand_per_forward=4, draft_ahead=True)
+    generator = SpecExecCandidateGenerator(draft, config)
+    generator.grow_tree(history)
+    forwards = data.draw(st.integers(0, 6))
+    made = iter(range(forwards))
+    generator.grow_ahead(lambda: next(made, None) is None, 4 * budget)
+    old = generator._search
+    fed = [n for n in range(1, old.pool.num_nodes) if bool(old.expanded[n])]
+    if not fed:
+        return
+    node = data.draw(st.sampled_from(fed))
+    continued = torch.cat([history, old.pool.path_tokens(node)[None]], dim=-1)
+    search = generator.start_tree(continued)
+    assert generator.seeded_trees == 1
+    assert generator.cached_ids == continued[0].tolist()
+    assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, continued), draft)
+    # The subtree under `node`, re-rooted: each kept node's path from the new root is its old path from `node`.
+    old_paths = {tuple(old.pool.path_tokens(n).tolist()) for n in range(old.pool.num_nodes)}
+    prefix = tuple(old.pool.path_tokens(node).tolist())
+    for new in range(1, search.pool.num_nodes):
+        assert prefix + tuple(search.pool.path_tokens(new).tolist()) in old_paths
+    nodes = search.next_nodes()
+    if nodes is None:
+        return
+    (logits,) = forward_feeds(draft, [generator.feed(search.pool, nodes)])
+    for row, new in enumerate(nodes.tolist()):
+        ids = torch.cat([continued, search.pool.path_tokens(new)[None]], dim=-1)
+        with torch.no_grad():
+            expected = draft(ids).logits[0, -1]
+        # The feed's logits come back in float32: equal to the float64 recomputation up to that rounding.
+        assert_close_across_kernels(logits[row], expected.float(), 4 * torch.finfo(torch.float32).eps)
+
+
+def test_a_history_leaving_the_fed_nodes_starts_a_fresh_tree():
+    draft = tiny_model("llama", seed=4)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8, expand_per_forward=4, draft_ahead=True))
+    history = torch.tensor([[3, 1, 4, 1, 5]])
+    tree = generator.grow_tree(history).tree
+    generator.grow_ahead(lambda: False, 32)
+    unseen = next(t for t in range(64) if (0, t) not in tree.child_index())  # not a child of the root in the pool
+    continued = torch.cat([history, torch.tensor([[unseen]])], dim=-1)
+    if (0, unseen) in generator._search.pool.child_index():
+        pytest.skip("the grown-on pool holds that token")
+    generator.grow_tree(continued)
+    assert generator.seeded_trees == 0
+    assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, continued), draft)
+
+
 def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
     draft = tiny_model("llama", seed=3)
     generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=30, expand_per_forward=8))

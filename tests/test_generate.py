@@ -21,6 +21,7 @@ knobs = st.fixed_dictionaries(
         "max_depth": st.integers(1, 10),
         "max_branch": st.integers(1, 6),
         "expand_per_forward": st.integers(2, 12),
+        "draft_ahead": st.booleans(),
     }
 )
 

@@ -65,6 +65,8 @@ CASES = {
     # children after the top token drawn from the draft and verified by recursive rejection sampling
     "drawn_children": ({"temperature": 0.5}, {"sampled_children": True}),
     "drawn_children_top_p": ({"temperature": 1.2, "top_p": 0.7}, {"sampled_children": True}),
+    # the next tree starts from a subtree the draft grew while the target verified the last one
+    "draft_ahead": ({"temperature": 0.5}, {"draft_ahead": True}),
 }
 # On CUDA two cases, so that `pytest -m cuda` fits a GPU check of a few minutes: the device changes where the
 # sampling runs, not which processors shape the distribution.

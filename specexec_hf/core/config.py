@@ -6,6 +6,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 
+DRAFT_AHEAD_FACTOR = 4
+"""With ``draft_ahead``, how many times the budget the search grown on during verification may keep."""
+
+
 @dataclass(frozen=True)
 class SpecExecConfig:
     """How the draft grows the token tree that the target verifies in one forward.
@@ -45,6 +49,13 @@ class SpecExecConfig:
             even on the measured pair) takes the draft's top tokens throughout, accepted only when the target's own
             draw hits one. Either way the output follows the target's distribution exactly. Greedy decoding always
             takes the top tokens.
+        draft_ahead: While the target verifies a tree (in a worker thread), the draft grows the same search on,
+            best first, up to ``DRAFT_AHEAD_FACTOR`` times the budget: the subtrees under the likeliest accepted
+            paths. When the walk ends at a node the draft has already expanded, the next tree starts from that
+            node's subtree (its draft KV kept), so the next step drafts less or not at all. It pays where the
+            target's forward leaves the processor idle (weights streamed from disk or to a GPU); on a target in
+            memory on a CPU both compete for the same cores. It shapes the trees only, never the output. Not with
+            ``sampled_children`` or a tree policy other than SpecExec's best-first search.
     """
 
     budget: int | Literal["auto"] = 64
@@ -57,6 +68,7 @@ class SpecExecConfig:
     context_match_weights: tuple[float, ...] | None = None
     acceptance_calibration: bool = True
     sampled_children: bool = False
+    draft_ahead: bool = False
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "max_branch", "expand_per_forward"):
@@ -78,7 +90,7 @@ class SpecExecConfig:
                 f"SpecExecConfig.min_draft_gain must be a number in [0, 1) (0 grows every tree until it cannot improve), "
                 f"got {gain!r}."
             )
-        for name in ("acceptance_calibration", "sampled_children"):
+        for name in ("acceptance_calibration", "sampled_children", "draft_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SpecExecConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.draft_temperature is not None and not self.draft_temperature > 0:

@@ -19,7 +19,7 @@ registers its policies with one :func:`register_tree_policy` line beside the cla
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -217,6 +217,32 @@ class BestFirstSearch:
         self.forwards = 0
         self.forecast = 0.0  # expected accepted tokens of the kept tree (the root excluded)
         self.stalled = False  # the last forward gained less than min_draft_gain asks
+
+    @classmethod
+    def seeded(
+        cls, pool: TokenTree, expanded: torch.Tensor, config: SpecExecConfig, max_depth: int | None = None
+    ) -> BestFirstSearch:
+        """A search that goes on from an already grown ``pool`` (node 0 its root, cumulative log-probs from it):
+        a subtree an earlier search grew under what is now the root (see :meth:`extend`).
+
+        Args:
+            pool: The candidates so far; no node deeper than the depth limit.
+            expanded: ``[pool.num_nodes]`` which of them the draft has expanded.
+            config: As for the constructor.
+            max_depth: As for the constructor.
+        """
+        search = cls(int(pool.tokens[0]), config, max_depth, pool.device)
+        search.pool, search.expanded = pool, expanded.to(pool.device)
+        search.kept = rank_nodes(pool.logprobs)[: config.budget + 1]
+        search.forecast = float(pool.logprobs[search.kept[1:]].double().exp().sum())
+        return search
+
+    def extend(self, budget: int) -> None:
+        """Lets a finished search grow on towards ``budget`` kept nodes, with no draft-forward cap or gain stop: the
+        draft's work while the target verifies this search's tree, which a next tree under one of its nodes starts
+        from (:meth:`seeded`)."""
+        self.config = replace(self.config, budget=budget, max_draft_forwards=None, min_draft_gain=0.0)
+        self.forward_limit, self.stalled = None, False
 
     def _tree_is_full(self) -> bool:
         return self.kept.numel() == self.config.budget + 1

@@ -16,7 +16,7 @@ generation config (``_get_candidate_generator``), with no public way to hand it 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,16 @@ from transformers import DynamicCache, PreTrainedModel
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, mix_context_guesses
-from ..core.search import SearchPolicy, SearchResult, TopCandidates, TreeSearch, grow_tree, walked_nodes
+from ..core.search import (
+    BestFirstPolicy,
+    BestFirstSearch,
+    SearchPolicy,
+    SearchResult,
+    TopCandidates,
+    TreeSearch,
+    grow_tree,
+    walked_nodes,
+)
 from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
 from .compat import check_supported
@@ -90,6 +99,12 @@ class SpecExecCandidateGenerator:
                 f"sampled_children draws each node's children, which {type(search).__name__} takes by draft rank: "
                 "pass sampled_children=False with this search."
             )
+        if config.draft_ahead and (sampled_children or not isinstance(search, BestFirstPolicy)):
+            raise ValueError(
+                "draft_ahead grows SpecExec's best-first search on while the target verifies, and the next tree "
+                "starts from it, which a drawn child's verification (sampled_children) and other tree policies do "
+                "not allow: pass draft_ahead=False, or the default search without sampled_children."
+            )
         self.draft_model = draft_model
         self.config = config
         self.temperature = temperature
@@ -104,6 +119,10 @@ class SpecExecCandidateGenerator:
         # Per node of the last verified tree, the (expansion, row) that expanded it (None: a leaf); read once per tree.
         self._tree_rows: tuple[SearchResult, list[tuple[int, int] | None]] | None = None
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
+        # The last tree's search, which draft_ahead grows on during verification and the next tree may start from.
+        self._search: TreeSearch | None = None
+        self._grown_ahead = False
+        self.seeded_trees = 0  # trees that started from a subtree grown ahead
 
     @property
     def cache(self) -> DynamicCache:
@@ -131,10 +150,43 @@ class SpecExecCandidateGenerator:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         history = input_ids[0].tolist()
         self._expansions, self._tree_rows = [], None
-        self.draft_cache.sync(history)
+        grown_ahead, self._grown_ahead = self._grown_ahead, False
+        search = None
+        if grown_ahead:
+            seed = self.draft_cache.sync_to_subtree(history, self.config.depth_limit(max_depth))
+            if seed is not None:
+                pool, kept = seed
+                search = BestFirstSearch.seeded(pool, self._search.expanded[kept], self.config, max_depth)
+                self.seeded_trees += 1
+        if search is None:
+            self.draft_cache.sync(history)
+            search = self.search.start(history[-1], self.config, max_depth, self.draft_cache.device)
         if self._context is not None:
             self._context.sync(history)
-        return self.search.start(history[-1], self.config, max_depth, self.draft_cache.device)
+        self._search = search
+        return search
+
+    def grow_ahead(self, done: Callable[[], bool], budget: int) -> int:
+        """Grows the last tree's search on, one draft forward at a time, until ``done()`` (checked before each
+        forward) or until it holds ``budget`` nodes: while the target verifies the tree, the likeliest subtrees
+        below it grow, and the next tree starts from the one under its root when the draft already fed that root
+        (see ``SpecExecConfig.draft_ahead``). Returns the draft forwards made.
+
+        Args:
+            done: Whether to stop (the verification has finished).
+            budget: Most nodes the grown-on search keeps.
+        """
+        search = self._search
+        if not isinstance(search, BestFirstSearch):
+            return 0
+        search.extend(budget)
+        self._grown_ahead = True
+        forwards = 0
+        while not done() and (nodes := search.next_nodes()) is not None:
+            (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)])
+            search.add_expansion(nodes, self.expansion(search.pool, nodes, logits))
+            forwards += 1
+        return forwards
 
     def feed(self, pool: TokenTree, nodes: torch.Tensor) -> Feed:
         """What the draft runs to expand the search's pool ``nodes`` (see :meth:`.DraftCache.feed`)."""

@@ -10,6 +10,7 @@ the stopping criteria and recording outputs is the caller's (:mod:`.generation`,
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation import LogitsProcessorList
 
+from ..core.config import DRAFT_AHEAD_FACTOR
 from ..core.masks import chain_and_tree_mask
 from ..core.precision import greedy_choice
 from ..core.search import SearchResult
@@ -196,7 +198,10 @@ class SpecExecDecoder:
         started = time.perf_counter()
         grown = self._draft(sequence)
         drafted = time.perf_counter()
-        logits = self._verify(sequence, grown.tree)
+        if self.drafter.config.draft_ahead:
+            logits = self._verify_while_drafting_ahead(sequence, grown)
+        else:
+            logits = self._verify(sequence, grown.tree)
         verified = time.perf_counter()
         choice = TargetChoice(
             self.rule, sequence, grown, logits, self.drafter, drawn_children=self.drafter.sampled_children
@@ -223,6 +228,31 @@ class SpecExecDecoder:
         if self.auto_budget is not None:
             self.drafter.config = self.drafter.config.updated(budget=self.auto_budget.choose(depth_left))
         return self.drafter.grow_tree(self.request.draft_history(sequence[:, self.padding :]), max_depth=depth_left)
+
+    def _verify_while_drafting_ahead(self, sequence: torch.Tensor, grown: SearchResult) -> NodeLogits:
+        """:meth:`_verify` in a worker thread while the draft grows the tree's search on (``draft_ahead``)."""
+        finished = threading.Event()
+        outcome: list = []
+        grad_enabled = torch.is_grad_enabled()  # grad mode is per thread
+
+        def verify() -> None:
+            try:
+                with torch.set_grad_enabled(grad_enabled):
+                    outcome.append(self._verify(sequence, grown.tree))
+            except BaseException as error:  # raised again in the caller's thread
+                outcome.append(error)
+            finally:
+                finished.set()
+
+        worker = threading.Thread(target=verify, name="specexec-verify", daemon=True)
+        worker.start()
+        try:
+            self.drafter.grow_ahead(finished.is_set, DRAFT_AHEAD_FACTOR * self.drafter.config.budget)
+        finally:
+            worker.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def _verify(self, sequence: torch.Tensor, tree: TokenTree) -> NodeLogits:
         """One target forward: the committed tokens it has not seen (ending with the root), then the tree.

@@ -79,6 +79,62 @@ class DraftCache:
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
 
+    def sync_to_subtree(self, history: list[int], depth_limit: int) -> tuple[TokenTree, torch.Tensor] | None:
+        """Takes the history of the next tree when it continues the last tree's root down pool nodes the draft has
+        already fed, and keeps the subtree under the new root: the next search starts from it instead of from the
+        root alone. ``None`` (nothing changed; call :meth:`sync`) when the history goes elsewhere.
+
+        The cache keeps the committed tokens, the continuation (the root among them: fed, so cached), then the
+        subtree's fed nodes in the order they were fed; each still sees exactly its ancestors.
+
+        Args:
+            history: The next tree's history (its last token the root).
+            depth_limit: The next tree's depth limit: deeper subtree nodes are dropped.
+
+        Returns:
+            ``(pool, kept)``: the subtree re-rooted (depths and cumulative log-probs from the new root) and the old
+            pool indices of its nodes, ascending.
+        """
+        pool, root_history = self._pool, self.history
+        if pool is None or len(history) <= len(root_history) or history[: len(root_history)] != root_history:
+            return None
+        child_of = pool.child_index()
+        slots = self._pool_slots.tolist()
+        node, continuation = 0, []
+        for token in history[len(root_history) :]:
+            node = child_of.get((node, token), -1)
+            if node < 0 or node >= len(slots) or slots[node] < 0:
+                return None
+            continuation.append(slots[node])
+        parents, _ = pool.host_lists()
+        depths = pool.depths.tolist()
+        inside, kept = {node}, [node]
+        for candidate in range(node + 1, pool.num_nodes):
+            if parents[candidate] in inside and depths[candidate] - depths[node] <= depth_limit:
+                inside.add(candidate)
+                kept.append(candidate)
+        fed = sorted((slots[n], n) for n in kept[1:] if n < len(slots) and slots[n] >= 0)
+        committed = len(history)
+        compact_cache(self.cache, len(root_history), torch.tensor(continuation + [slot for slot, _ in fed]))
+        self.history, self.cached_ids = history, list(history)
+        position = {old: new for new, old in enumerate(kept)}
+        new_slots = torch.full((len(kept),), -1, dtype=torch.long)
+        new_slots[0] = committed - 1
+        rows = torch.zeros(1 + len(fed), max(len(fed), 1), dtype=torch.bool)
+        for order, (_, old) in enumerate(fed):
+            new_slots[position[old]] = committed + order
+            if parents[old] != node:  # under a fed ancestor: what it sees, and itself
+                rows[1 + order] = rows[1 + int(new_slots[position[parents[old]]]) - committed]
+            rows[1 + order, order] = True
+        index = torch.tensor(kept, dtype=torch.long, device=pool.device)
+        subtree = pool.select(index)
+        subtree = TokenTree(
+            subtree.tokens, subtree.parents, subtree.depths - subtree.depths[0], subtree.logprobs - subtree.logprobs[0]
+        )
+        self._pool, self._pool_slots = subtree, new_slots.to(pool.device)
+        self._fed_rows = rows.to(pool.device)
+        return subtree, index
+
     def feed(self, pool: TokenTree, nodes: torch.Tensor) -> Feed:
         """What the draft must run to expand pool ``nodes``: on a tree's first forward, the unseen history (ending
         with the root); afterwards the nodes themselves, each seeing the history and its own fed ancestors."""

@@ -52,6 +52,7 @@ def generate(
     context_match_weights: Sequence[float] | None = None,
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
+    draft_ahead: bool | None = None,
     tree_search: SearchPolicy | str = grow_tree,
     learnt_state: LearntState | None = None,
     tokenizer=None,
@@ -78,7 +79,7 @@ def generate(
         specexec_config: Tree-growth knobs; the individual knob arguments below override it.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, min_draft_gain, draft_temperature,
-            context_match_weights, acceptance_calibration, sampled_children: see :class:`SpecExecConfig`;
+            context_match_weights, acceptance_calibration, sampled_children, draft_ahead: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
@@ -107,7 +108,7 @@ def generate(
         budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
         max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
         context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
-        sampled_children=sampled_children,
+        sampled_children=sampled_children, draft_ahead=draft_ahead,
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
