@@ -217,6 +217,8 @@ class BestFirstSearch:
         self.forwards = 0
         self.forecast = 0.0  # expected accepted tokens of the kept tree (the root excluded)
         self.stalled = False  # the last forward gained less than min_draft_gain asks
+        # Children that cannot rank inside a full tree are dropped, unless a later tree may start from a subtree.
+        self.prunes_children = True
 
     @classmethod
     def seeded(
@@ -243,6 +245,8 @@ class BestFirstSearch:
         from (:meth:`seeded`)."""
         self.config = replace(self.config, budget=budget, max_draft_forwards=None, min_draft_gain=0.0)
         self.forward_limit, self.stalled = None, False
+        # Under a later root every child may rank inside the budget: an expanded node keeps all its children.
+        self.prunes_children = False
 
     def _tree_is_full(self) -> bool:
         return self.kept.numel() == self.config.budget + 1
@@ -279,7 +283,7 @@ class BestFirstSearch:
             child_logprobs, child_tokens = logprobs.float().topk(min(self.config.max_branch, logprobs.shape[-1]), -1)
         cumulative = pool.logprobs[nodes, None] + child_logprobs.to(pool.device)
         useful = torch.isfinite(cumulative)
-        if self._tree_is_full():
+        if self._tree_is_full() and self.prunes_children:
             useful &= cumulative > pool.logprobs[self.kept[-1]]
         added = useful.flatten().nonzero().squeeze(1)  # one host read for the three selections below
         parents = nodes[:, None].expand_as(cumulative).flatten()[added]

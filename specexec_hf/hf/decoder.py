@@ -10,6 +10,7 @@ the stopping criteria and recording outputs is the caller's (:mod:`.generation`,
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -158,6 +159,9 @@ class StepOutcome:
     target_seconds: float
 
 
+AHEAD_SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
+
+
 class SpecExecDecoder:
     """SpecExec decoding of one sequence, one :meth:`step` at a time; owns the target's KV cache.
 
@@ -245,11 +249,16 @@ class SpecExecDecoder:
                 finished.set()
 
         worker = threading.Thread(target=verify, name="specexec-verify", daemon=True)
+        switch_interval = sys.getswitchinterval()
+        # The draft's Python between its ops holds the interpreter lock; the target's per-layer hooks and readers
+        # need it briefly and often: switch threads more often than every 5 ms while both run.
+        sys.setswitchinterval(AHEAD_SWITCH_INTERVAL)
         worker.start()
         try:
             self.drafter.grow_ahead(finished.is_set, DRAFT_AHEAD_FACTOR * self.drafter.config.budget)
         finally:
             worker.join()
+            sys.setswitchinterval(switch_interval)
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
