@@ -240,3 +240,20 @@ def test_an_oversized_unit_gets_a_ring_buffer_of_its_own(unit_bytes, prefetch):
     plain = sum(slot_bytes(unit_bytes, ring_slots(count, prefetch)))
     ordinary = max(size for position, size in enumerate(unit_bytes) if position not in oversized)
     assert sum(slot_bytes(unit_bytes, slot_of)) <= plain + (len(oversized) + prefetch) * ordinary
+
+
+@pytest.mark.parametrize("executor", ["accelerate", "stream"])
+def test_draft_ahead_refuses_a_draft_sharing_the_targets_streamed_layers(executor):
+    """With draft_ahead the draft runs while the target verifies: a layer self-draft would load the same streamed
+    layers from two threads at once."""
+    target = tiny_model("llama", seed=3)
+    ids = prompt(3, 5)
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    with tempfile.TemporaryDirectory() as folder:
+        offloaded = offloaded_copy(target, folder, "all on disk", executor)
+        with pytest.raises(ValueError, match=r"draft_ahead .* shares the target's 'model\..*draft_ahead=False"):
+            offloaded.generate(ids, max_new_tokens=4, do_sample=False, assistant_model="self:exit:1",
+                               speculator="specexec", draft_ahead=True)
+        got = offloaded.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=perturbed_copy(target, 0.05, 4),
+                                 speculator="specexec", draft_ahead=True)
+    assert got.tolist() == expected.tolist()

@@ -162,6 +162,28 @@ class StepOutcome:
 AHEAD_SWITCH_INTERVAL = 0.0005  # seconds; Python's default is 0.005
 
 
+def check_draft_ahead(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Raises ``ValueError`` if the draft shares a module with the target whose weights are streamed or fetched by
+    hooks: with ``draft_ahead`` the two run at once, and two threads would stream into the same module.
+
+    Args:
+        target: The target.
+        draft: The draft.
+    """
+    draft_modules = {id(module) for module in draft.modules()}
+    # Set by specexec_hf.offload's executors, which this layer does not import (they sit above it).
+    streamer = getattr(target, "_specexec_layer_streamer", None)
+    streamed = list(streamer.unit_names) if streamer is not None else []
+    hooked = [name for name, module in target.named_modules() if hasattr(module, "_hf_hook")]
+    shared = [name for name in streamed + hooked if id(target.get_submodule(name)) in draft_modules]
+    if shared:
+        raise ValueError(
+            f"draft_ahead runs the draft while the target verifies, but the draft shares the target's {shared[0]!r}, "
+            "whose weights are streamed or fetched by offloading hooks: two threads would load them at once. Pass "
+            "draft_ahead=False, or a draft with its own copy of those layers."
+        )
+
+
 class SpecExecDecoder:
     """SpecExec decoding of one sequence, one :meth:`step` at a time; owns the target's KV cache.
 

@@ -22,7 +22,7 @@ from ..core.stats import SpecExecStats
 from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import check_masked_tokens_supported, check_same_vocabulary, check_supported
-from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor
+from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor, check_draft_ahead
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
@@ -176,6 +176,8 @@ def _decoder(
     draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
     calibrate = config.acceptance_calibration and tree_search.ranks_children
     sampled_children = do_sample and config.sampled_children and tree_search.draws_children
+    if config.draft_ahead:
+        check_draft_ahead(model, draft_model)
     drafter = SpecExecCandidateGenerator(
         draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
         acceptance_map=state.acceptance_map(
