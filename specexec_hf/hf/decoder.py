@@ -196,6 +196,8 @@ class SpecExecDecoder:
         auto_budget: Picks each tree's budget (``budget="auto"``), else ``None``.
         trace: Keep the target's hidden states and attention weights (``output_hidden_states`` /
             ``output_attentions``).
+        draft_ahead: Verify in a worker thread while the drafter grows the tree on (``SpecExecConfig.draft_ahead``;
+            the drafter's ``grow_ahead``).
     """
 
     def __init__(
@@ -207,9 +209,11 @@ class SpecExecDecoder:
         max_length: int,
         auto_budget: AutoBudget | None = None,
         trace: tuple[bool, bool] = (False, False),
+        draft_ahead: bool = False,
     ):
         self.model, self.drafter, self.request, self.rule = model, drafter, request, rule
         self.max_length, self.auto_budget, self.trace = max_length, auto_budget, trace
+        self.draft_ahead = draft_ahead
         self.padding = request.left_padding.shape[1]
         self.cache = new_cache()  # generate()'s own (empty) cache would keep sliding layers to one window
         self.cached = 0  # committed tokens (without left padding) in the target's cache
@@ -224,7 +228,7 @@ class SpecExecDecoder:
         started = time.perf_counter()
         grown = self._draft(sequence)
         drafted = time.perf_counter()
-        if self.drafter.config.draft_ahead:
+        if self.draft_ahead:
             logits = self._verify_while_drafting_ahead(sequence, grown)
         else:
             logits = self._verify(sequence, grown.tree)

@@ -196,7 +196,9 @@ def _decoder(
         model.config.get_text_config().hidden_size,
     )
     trace = (generation_config.output_hidden_states, generation_config.output_attentions)
-    return SpecExecDecoder(model, drafter, request, rule, generation_config.max_length, auto_budget, trace)
+    return SpecExecDecoder(
+        model, drafter, request, rule, generation_config.max_length, auto_budget, trace, config.draft_ahead
+    )
 
 
 def _commit(
