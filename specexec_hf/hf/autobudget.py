@@ -321,19 +321,19 @@ class AutoBudget:
 
     def _with_observed_tokens(self, plans: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
         """``plans`` with each budget's modelled tokens replaced by what the walks observed there (see the class)."""
-        observed = [budget for budget in self.candidates if self._observed_walks[budget]]
+        # A walk is observed at every candidate up to its tree's budget, so the observed budgets are the smallest ones.
+        observed = {
+            budget: (self._observed_tokens[budget] + MODEL_WEIGHT_STEPS * modelled) / (walks + MODEL_WEIGHT_STEPS)
+            for budget, (modelled, _) in plans.items()
+            if (walks := self._observed_walks[budget])
+        }
         if not observed:
             return plans
-        corrected = {}
-        for budget, (modelled, forwards) in plans.items():
-            walks = self._observed_walks[budget]
-            if walks:
-                tokens = (self._observed_tokens[budget] + MODEL_WEIGHT_STEPS * modelled) / (walks + MODEL_WEIGHT_STEPS)
-            else:
-                anchor = max(observed)
-                tokens = modelled * corrected[anchor][0] / plans[anchor][0] if budget > anchor else modelled
-            corrected[budget] = (tokens, forwards)
-        return corrected
+        anchor = max(observed)
+        ratio = observed[anchor] / plans[anchor][0]
+        return {
+            budget: (observed.get(budget, modelled * ratio), forwards) for budget, (modelled, forwards) in plans.items()
+        }
 
     def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
         """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""

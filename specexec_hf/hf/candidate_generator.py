@@ -168,9 +168,9 @@ class SpecExecCandidateGenerator:
 
     def grow_ahead(self, done: Callable[[], bool], budget: int) -> int:
         """Grows the last tree's search on, one draft forward at a time, until ``done()`` (checked before each
-        forward) or until it holds ``budget`` nodes: while the target verifies the tree, the likeliest subtrees
-        below it grow, and the next tree starts from the one under its root when the draft already fed that root
-        (see ``SpecExecConfig.draft_ahead``). Returns the draft forwards made.
+        forward) or until no node of its best ``budget`` can still grow: while the target verifies the tree, the
+        likeliest subtrees below it grow, and the next tree starts from the one under its root when the draft
+        already fed that root (see ``SpecExecConfig.draft_ahead``). Returns the draft forwards made.
 
         Args:
             done: Whether to stop (the verification has finished).
