@@ -16,7 +16,10 @@ CPU kernels dequantize its weights on every one) do not fit in what ssd.py's cap
   / 1.98 tokens per target forward at budgets 16 / 64 in memory, tied with ``self:exit:24``, which runs 5 more
   layers per draft forward). The target's layers are all on disk here, so a layer self-draft streams its layers
   from disk for every draft forward, as the target does;
-- Sequoia's static tree learnt online (``tree_search="sequoia"``) with the shipped draft at ``--budgets``.
+- Sequoia's static tree learnt online (``tree_search="sequoia"``) with the shipped draft at ``--budgets``;
+- TriForce-style hierarchies (``generate(intermediate_model=...)``) at ``--hierarchy-budgets``: the shipped draft grows
+  a tree of ``HIERARCHY_DRAFT_FACTOR`` times the budget, an intermediate (``--hierarchies``, default ``"self:int4"``,
+  the same object as above) scores all of it in one forward, and the target verifies the budget's best nodes.
 
 ``self:int4`` runs at ``--int4-budgets``, the layer self-drafts at ``--layer-draft-budgets`` (each of their draft
 forwards streams layers from disk, so fewer of them). Each method learns in its own ``LearntState`` per decoding mode,
@@ -27,8 +30,8 @@ step; greedy outputs are checked against plain greedy (the run exits 1 if one di
 their distribution is the property tests' (``tests/test_sampling.py``, ``tests/test_sequoia.py``), not this run's.
 
 Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every method small (one
-prompt, a few tokens) as a smoke check, without root. Long prompts (2K-8K tokens) and TriForce's hierarchy are out of
-this table's scope (see ``results/related_systems/README.md``).
+
+
 Run (root): flock /tmp/bench.lock .venv/bin/python benchmarks/related_systems.py
 """
 
@@ -59,6 +62,7 @@ from ssd import (  # noqa: E402
 )
 
 import specexec_hf  # noqa: E402
+from specexec_hf.hf.hierarchy import HIERARCHY_DRAFT_FACTOR  # noqa: E402
 from specexec_hf.hf.learnt_state import LearntState  # noqa: E402
 from specexec_hf.models import resolve_draft, target_cache_dir  # noqa: E402
 from specexec_hf.offload import layer_streamer  # noqa: E402
@@ -71,7 +75,8 @@ MODES = {"greedy": {}, "t=0.6": {"do_sample": True, "temperature": 0.6}}
 
 
 def methods(
-    draft: torch.nn.Module, int4: torch.nn.Module, layer_drafts: dict[str, torch.nn.Module], args
+    draft: torch.nn.Module, int4: torch.nn.Module, layer_drafts: dict[str, torch.nn.Module], args,
+    intermediates: dict[str, torch.nn.Module] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``generate()`` keyword arguments of each method compared, by label, in the table's order.
 
@@ -79,7 +84,10 @@ def methods(
         draft: The shipped draft.
         int4: The ``"self:int4"`` draft, built from the target in memory.
         layer_drafts: The layer self-drafts, built over the streamed target, by name.
-        args: ``budgets`` (shipped draft: SpecExec and Sequoia), ``int4_budgets`` and ``layer_draft_budgets``.
+        args: ``budgets`` (shipped draft: SpecExec and Sequoia), ``int4_budgets``, ``layer_draft_budgets`` and
+            ``hierarchy_budgets``.
+        intermediates: The hierarchies' intermediate models (TriForce: the shipped draft's tree re-ranked by one of
+            them and cut to the budget), by name.
     """
     speculative = {"speculator": "specexec"}
     compared: dict[str, dict[str, Any]] = {PLAIN: {}}
@@ -89,10 +97,29 @@ def methods(
         for budget in budgets:
             compared[f"SpecExec, {name}, budget {budget}"] = {**speculative, "assistant_model": assistant,
                                                               "budget": budget}
-    for budget in args.budgets:
+    for budget in args.budgets if args.sequoia_budgets is None else args.sequoia_budgets:
         compared[f"Sequoia online, shipped draft, budget {budget}"] = {
             **speculative, "assistant_model": draft, "budget": budget, "tree_search": "sequoia"}
+    for name, intermediate in (intermediates or {}).items():
+        for budget in args.hierarchy_budgets:
+            compared[f"hierarchy, shipped draft -> {name}, budget {budget}"] = {
+                **speculative, "assistant_model": draft, "budget": budget, "intermediate_model": intermediate}
     return compared
+
+
+def with_context(tokenizer: Any, prompt: str, tokens: int) -> str:
+    """``prompt`` after a document of at least ``tokens`` tokens (the training prompts, in order, as numbered notes),
+    for long-prompt runs; ``prompt`` itself when ``tokens`` is 0."""
+    if tokens <= 0:
+        return prompt
+    notes: list[str] = []
+    length = 0
+    for number, note in enumerate(load_prompts("train"), start=1):
+        notes.append(f"{number}. {note}")
+        length += len(tokenizer(notes[-1] + "\n")["input_ids"])
+        if length >= tokens:
+            return "Here are some notes.\n\n" + "\n".join(notes) + f"\n\nSet the notes aside and answer this: {prompt}"
+    raise ValueError(f"The training prompts hold {length} tokens, fewer than --context-tokens {tokens}.")
 
 
 def drafts_in_memory() -> tuple[torch.nn.Module, torch.nn.Module, Any]:
@@ -135,10 +162,13 @@ def measure(args, cap: MemoryCap | None, report: dict[str, Any]) -> dict[str, An
     draft, int4, tokenizer = drafts_in_memory()
     checkpoint = target_cache_dir()
     weights = checkpoint / "model.safetensors"
-    prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
-    entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "modes": MODES}
+    prompts = [chat_inputs(tokenizer, with_context(tokenizer, prompt, args.context_tokens))
+               for prompt in load_prompts("eval")[: args.prompts]]
+    entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "modes": MODES,
+                             "prompt_tokens": [inputs["input_ids"].shape[1] for inputs in prompts]}
     report["measured"] = entry
-    longest = max(inputs["input_ids"].shape[1] for inputs in prompts) + max(*args.budgets, *args.int4_budgets) + 1
+    drafted = [*args.budgets, *args.int4_budgets, *(HIERARCHY_DRAFT_FACTOR * b for b in args.hierarchy_budgets)]
+    longest = max(inputs["input_ids"].shape[1] for inputs in prompts) + max(drafted) + 1
     working = working_bytes(cap, [draft, int4], longest)
     evict(weights)  # the in-memory target's reads: uncharged before the cap is set
     with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, capped_entry):
@@ -155,8 +185,11 @@ def measure(args, cap: MemoryCap | None, report: dict[str, Any]) -> dict[str, An
             entry["weights_over_limit"] = entry["weights_bytes"] / entry["limit_bytes"]
             cap.limit(entry["limit_bytes"])
         layer_drafts = {name: resolve_draft(model, name) for name in args.layer_drafts}
-        compared = methods(draft, int4, layer_drafts, args)
-        entry["methods_compared"] = {label: {key: value for key, value in kwargs.items() if key != "assistant_model"}
+        intermediates = {name: int4 if name == "self:int4" else resolve_draft(model, name)
+                         for name in args.hierarchies}
+        compared = methods(draft, int4, layer_drafts, args, intermediates)
+        entry["methods_compared"] = {label: {key: value for key, value in kwargs.items()
+                                             if key not in ("assistant_model", "intermediate_model")}
                                      for label, kwargs in compared.items()}
         for kwargs in compared.values():  # warm-ups (lazy initialisations), learning in the draft's own state
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
@@ -226,7 +259,8 @@ def markdown(report: dict[str, Any]) -> str:
     if not summary:
         return "\n".join([*lines, "", "(nothing measured yet)"]) + "\n"
     done = len({row["prompt"] for row in entry["rows"]})
-    lines += ["", f"{done} of {entry['prompts']} held-out prompts x {entry['max_new_tokens']} new tokens; greedy and "
+    lines += ["", f"{done} of {entry['prompts']} held-out prompts ({', '.join(map(str, entry.get('prompt_tokens', [])))} "
+              f"tokens) x {entry['max_new_tokens']} new tokens; greedy and "
               f"temperature 0.6 (the model's other sampling settings: {entry.get('sampling_defaults')}); every weight "
               "of the target streamed from disk for every forward.", ""]
     modes = list(summary)
@@ -259,7 +293,7 @@ def save(report: dict[str, Any], out: Path) -> None:
 # --quick: every method, small (one prompt, a few tokens, a cheap layer self-draft): a smoke check. Prefetch 1: without
 # a cap, "auto" would hold every weight in the ring and stream nothing.
 QUICK = {"prompts": 1, "max_new_tokens": 4, "budgets": [8], "int4_budgets": [8], "layer_draft_budgets": [8],
-         "layer_drafts": ["self:exit:2"], "prefetch": 1}
+         "layer_drafts": ["self:exit:2"], "hierarchy_budgets": [4], "prefetch": 1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -271,11 +305,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64],
                         help="SpecExec's and Sequoia's budgets with the shipped draft")
-    parser.add_argument("--int4-budgets", type=int, nargs="+", default=[16], help="self:int4's budgets")
+    parser.add_argument("--int4-budgets", type=int, nargs="*", default=[16], help="self:int4's budgets")
+    parser.add_argument("--sequoia-budgets", type=int, nargs="*", default=None,
+                        help="Sequoia online's budgets (default: --budgets)")
     parser.add_argument("--layer-draft-budgets", type=int, nargs="+", default=[16],
                         help="the layer self-drafts' budgets")
     parser.add_argument("--layer-drafts", nargs="*", default=["self:skip:10-20"],
                         help="layer self-drafts ('self:exit:K', 'self:skip:<layers>') beside self:int4")
+    parser.add_argument("--hierarchies", nargs="*", default=["self:int4"],
+                        help="intermediate models of TriForce-style hierarchies over the shipped draft ('self:int4', "
+                             "'self:exit:K', ...): its tree of 4x the budget re-ranked by them and cut to the budget")
+    parser.add_argument("--hierarchy-budgets", type=int, nargs="+", default=[16], help="the hierarchies' budgets")
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="long prompts: each prompt after a document of at least this many tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i: seed + i, for every method")
     parser.add_argument("--cache-fraction", type=float, default=CACHE_FRACTION,
                         help="memory above the process's own before loading (ring, activations, page cache), as a "

@@ -12,6 +12,8 @@ time per step is the twin's; its forward time ratio is the quantized model's own
 
 Writes JSON and Markdown to benchmarks/results/self_drafts/.
 Run: flock /tmp/bench.lock .venv/bin/python benchmarks/self_drafts.py [--prompts 4] [--max-new-tokens 32]
+``--drafts`` takes self-draft names, ``default`` (the shipped draft) and ``tuned:PATH`` (a tuned exit written by
+``specexec-hf distill --stage exit``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ DEFAULT_DRAFTS = ["self:exit:4", "self:exit:8", "self:exit:15", "self:skip:5-28"
 
 
 def draft_for(target: torch.nn.Module, shipped: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
-    """The draft ``name`` names and its label (``"default"``: the shipped draft; else a self-draft by name)."""
+    """The draft ``name`` names and its label (``"default"``: the shipped draft; ``"tuned:PATH"``: the tuned exit
+    ``specexec-hf distill --stage exit`` wrote to PATH; else a self-draft by name)."""
     if name == "default":
         return shipped, "shipped draft"
+    if name.startswith("tuned:"):
+        draft = specexec_hf.models.load_tuned_exit(target, name.removeprefix("tuned:"))
+        return draft, draft.config.specexec_self_draft
     draft = specexec_hf.models.resolve_draft(target, name)
     return draft, getattr(draft.config, "specexec_self_draft", name)
 

@@ -286,3 +286,28 @@ def test_int8_export_ships_the_weights_its_report_describes(tiny_run: Path) -> N
         logits, expected = loaded(input_ids=input_ids).logits, checkpoint_draft(input_ids=input_ids).logits
     # Vectors (norm weights) ship as float16 like in any float16 export; that rounding is far below int8's.
     assert float((logits - expected).abs().max()) < 3e-4 < float((logits - unrounded).abs().max())
+
+
+def test_exit_stage_tunes_an_adapter_that_lowers_the_loss_and_reports_both_exits(tiny_run: Path) -> None:
+    out = tiny_run / "exit_run"
+    assert distill.run(common_args(tiny_run, "--stage", "generate", "--out", str(out))) == 0
+    with pytest.raises(ValueError, match="pass --exit-layers K"):
+        distill.run(common_args(tiny_run, "--stage", "exit", "--out", str(out), "--epochs", "1"))
+    tuned_args = ("--stage", "exit", "--out", str(out), "--exit-layers", "2", "--exit-rank", "8", "--epochs", "4",
+                  "--lr", "3e-2")
+    assert distill.run(common_args(tiny_run, *tuned_args)) == 0
+    report = json.loads((out / "exit_report.json").read_text())
+    assert report["trainable_parameters"] == 2 * 32 * 8 and report["steps"] > 0
+    assert report["last_loss"] < report["first_loss"]
+    for exit_kind in ("untrained", "tuned"):
+        assert 0 <= report[exit_kind]["top1_agreement"] <= report[exit_kind]["top4_coverage"] <= 1
+    target, _ = sources.load_target(str(tiny_run / "target"))
+    from specexec_hf.models import load_tuned_exit
+
+    draft = load_tuned_exit(target, out / "exit.safetensors")
+    assert draft.config.num_hidden_layers == 2
+    ids = torch.tensor([[3, 5, 7, 9]])
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    got = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft, speculator="specexec",
+                          budget=6)
+    assert got.tolist() == expected.tolist()

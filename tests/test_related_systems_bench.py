@@ -14,14 +14,22 @@ related = benchmark_script("related_systems")
 
 def test_methods_cover_every_option_with_its_draft_budget_and_policy():
     draft, int4, layer = object(), object(), object()
-    args = SimpleNamespace(budgets=[16, 64], int4_budgets=[16, 64], layer_draft_budgets=[16])
-    compared = related.methods(draft, int4, {"self:skip:10-20": layer}, args)
+    args = SimpleNamespace(budgets=[16, 64], int4_budgets=[16, 64], layer_draft_budgets=[16], sequoia_budgets=None,
+                           hierarchy_budgets=[16])
+    compared = related.methods(draft, int4, {"self:skip:10-20": layer}, args, {"self:int4": int4})
     assert list(compared) == [
         "plain generate",
         "SpecExec, shipped draft, budget 16", "SpecExec, shipped draft, budget 64",
         "SpecExec, self:int4, budget 16", "SpecExec, self:int4, budget 64", "SpecExec, self:skip:10-20, budget 16",
         "Sequoia online, shipped draft, budget 16", "Sequoia online, shipped draft, budget 64",
+        "hierarchy, shipped draft -> self:int4, budget 16",
     ]
+    hierarchy = compared["hierarchy, shipped draft -> self:int4, budget 16"]
+    assert (hierarchy["assistant_model"], hierarchy["intermediate_model"], hierarchy["budget"]) == (draft, int4, 16)
+    only_sequoia_32 = related.methods(draft, int4, {}, SimpleNamespace(
+        budgets=[16], int4_budgets=[], layer_draft_budgets=[], sequoia_budgets=[32], hierarchy_budgets=[]))
+    assert list(only_sequoia_32) == [
+        "plain generate", "SpecExec, shipped draft, budget 16", "Sequoia online, shipped draft, budget 32"]
     assert compared["plain generate"] == {}
     assert compared["SpecExec, self:int4, budget 16"]["assistant_model"] is int4
     assert compared["SpecExec, self:skip:10-20, budget 16"]["assistant_model"] is layer
@@ -29,6 +37,20 @@ def test_methods_cover_every_option_with_its_draft_budget_and_policy():
     assert (sequoia["assistant_model"], sequoia["budget"], sequoia["tree_search"]) == (draft, 64, "sequoia")
     assert all(kwargs["speculator"] == "specexec" and "tree_search" not in kwargs
                for label, kwargs in compared.items() if label.startswith("SpecExec"))
+
+
+def test_long_prompts_put_the_question_after_a_document_of_at_least_the_tokens_asked(monkeypatch):
+    monkeypatch.setattr(related, "load_prompts", lambda split: [f"note {i} " + "word " * 9 for i in range(50)])
+
+    def words(text: str) -> dict:
+        return {"input_ids": text.split()}
+
+    assert related.with_context(words, "Why?", 0) == "Why?"
+    long = related.with_context(words, "Why?", 100)
+    assert long.endswith("answer this: Why?") and len(long.split()) >= 100
+    assert "9. note 8" in long and "10. note 9" not in long  # no more notes than the tokens asked need
+    with pytest.raises(ValueError, match="fewer than --context-tokens 10000"):
+        related.with_context(words, "Why?", 10_000)
 
 
 def rows() -> list[dict]:
@@ -91,7 +113,8 @@ def test_quick_run_measures_every_method_in_both_modes(tmp_path):
     summary = report["measured"]["summary"]
     assert set(summary) == {"greedy", "t=0.6"}
     expected = {"plain generate", "SpecExec, shipped draft, budget 8", "SpecExec, self:int4, budget 8",
-                "SpecExec, self:exit:2, budget 8", "Sequoia online, shipped draft, budget 8"}
+                "SpecExec, self:exit:2, budget 8", "Sequoia online, shipped draft, budget 8",
+                "hierarchy, shipped draft -> self:int4, budget 4"}
     assert all(set(methods) == expected for methods in summary.values())
     assert all(figures["all_equal_plain_greedy"] for figures in summary["greedy"].values())
     assert all(figures["tokens_per_target_forward"] >= 1 for mode in summary.values() for figures in mode.values())

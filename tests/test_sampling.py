@@ -67,6 +67,8 @@ CASES = {
     "drawn_children_top_p": ({"temperature": 1.2, "top_p": 0.7}, {"sampled_children": True}),
     # the next tree starts from a subtree the draft grew while the target verified the last one
     "draft_ahead": ({"temperature": 0.5}, {"draft_ahead": True}),
+    # a draft hierarchy: the draft's tree of 12 re-ranked by the target's first layer and cut to the budget
+    "hierarchy": ({"temperature": 0.5}, {"intermediate_model": "self:exit:1", "draft_budget": 12}),
 }
 # On CUDA two cases, so that `pytest -m cuda` fits a GPU check of a few minutes: the device changes where the
 # sampling runs, not which processors shape the distribution.

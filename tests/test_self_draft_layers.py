@@ -194,3 +194,30 @@ def test_batched_draft_forwards_of_a_layer_self_draft_equal_its_forwards_alone(d
         theirs = single.grow_tree(history)
         assert_same_tree(ours, theirs, model_bound(draft, keys=history.shape[-1] + theirs.tree.num_nodes))
         assert_cache_prefix_equal(generator.cache, recomputed_cache(draft, history), draft)
+
+
+def test_an_untrained_exit_adapter_changes_nothing_and_a_tuned_one_round_trips(tmp_path):
+    from specexec_hf.models import ExitAdapter, layer_self_draft, load_tuned_exit, save_tuned_exit
+
+    target = tiny_model("llama", seed=5, num_layers=4)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    plain = layer_self_draft(target, [0, 1])
+    adapter = ExitAdapter(32, rank=4).double()
+    adapted = layer_self_draft(target, [0, 1], exit_adapter=adapter)
+    with torch.no_grad():
+        assert torch.equal(adapted(ids).logits, plain(ids).logits)
+        adapter.up.normal_()
+        tuned = adapted(ids).logits
+        assert not torch.allclose(tuned, plain(ids).logits)
+        assert not any(parameter is adapter.up for parameter in target.parameters())  # the target stays as it was
+        save_tuned_exit(tmp_path / "exit.safetensors", [0, 1], adapter)
+        assert torch.equal(load_tuned_exit(target, tmp_path / "exit.safetensors")(ids).logits, tuned)
+    with pytest.raises(ValueError, match="hidden size is 32"):
+        layer_self_draft(target, [0], exit_adapter=ExitAdapter(16, rank=2))
+    with pytest.raises(ValueError, match="rank must be in 1..16"):
+        ExitAdapter(16, rank=0)
+    from safetensors.torch import save_file
+
+    save_file({"weights": torch.zeros(2)}, str(tmp_path / "not_an_exit.safetensors"))
+    with pytest.raises(ValueError, match="is not a tuned exit"):
+        load_tuned_exit(target, tmp_path / "not_an_exit.safetensors")

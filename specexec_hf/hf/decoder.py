@@ -16,20 +16,20 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.generation import LogitsProcessorList
 
 from ..core.config import DRAFT_AHEAD_FACTOR
-from ..core.masks import chain_and_tree_mask
 from ..core.precision import greedy_choice
 from ..core.search import SearchResult
 from ..core.tree import TokenTree
 from ..core.verify import Acceptance, acceptance_walk, rejection_sample
 from .autobudget import AutoBudget
 from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
-from .forward import Feed, NodeLogits, node_logits
-from .kv import compact_cache, new_cache
+from .forward import NodeLogits
+from .hierarchy import IntermediateDraft
 from .request import Request
+from .tree_scorer import TreeScorer
 
 
 class TreeLogitsProcessor:
@@ -198,6 +198,8 @@ class SpecExecDecoder:
             ``output_attentions``).
         draft_ahead: Verify in a worker thread while the drafter grows the tree on (``SpecExecConfig.draft_ahead``;
             the drafter's ``grow_ahead``).
+        intermediate: Re-ranks each draft tree and cuts it to the budget before the target verifies it (a draft
+            hierarchy, :mod:`.hierarchy`); ``None``: the target verifies the draft's tree.
     """
 
     def __init__(
@@ -210,13 +212,24 @@ class SpecExecDecoder:
         auto_budget: AutoBudget | None = None,
         trace: tuple[bool, bool] = (False, False),
         draft_ahead: bool = False,
+        intermediate: IntermediateDraft | None = None,
     ):
         self.model, self.drafter, self.request, self.rule = model, drafter, request, rule
+        self.intermediate = intermediate
         self.max_length, self.auto_budget, self.trace = max_length, auto_budget, trace
         self.draft_ahead = draft_ahead
         self.padding = request.left_padding.shape[1]
-        self.cache = new_cache()  # generate()'s own (empty) cache would keep sliding layers to one window
-        self.cached = 0  # committed tokens (without left padding) in the target's cache
+        self.scorer = TreeScorer(model, request, trace)
+
+    @property
+    def cache(self) -> DynamicCache:
+        """The target's KV cache: every committed token but the last."""
+        return self.scorer.cache
+
+    @property
+    def cached(self) -> int:
+        """Committed tokens (without left padding) in the target's cache."""
+        return self.scorer.cached
 
     def step(self, sequence: torch.Tensor) -> StepOutcome:
         """One step after the committed ``sequence`` (``[1, L]``, left padding included): draft, verify, walk.
@@ -226,7 +239,11 @@ class SpecExecDecoder:
         """
         length = sequence.shape[1] - self.padding
         started = time.perf_counter()
-        grown = self._draft(sequence)
+        drafted_tree = self._draft(sequence)
+        grown = drafted_tree
+        if self.intermediate is not None:
+            depth_limit = self.drafter.config.depth_limit(self._depth_left(sequence))
+            grown = self.intermediate.rescore(sequence, drafted_tree, depth_limit)
         drafted = time.perf_counter()
         if self.draft_ahead:
             logits = self._verify_while_drafting_ahead(sequence, grown)
@@ -237,16 +254,16 @@ class SpecExecDecoder:
             self.rule, sequence, grown, logits, self.drafter, drawn_children=self.drafter.sampled_children
         )
         acceptance = acceptance_walk(grown.tree, choice)
-        self.drafter.observe(grown, acceptance.tokens, choice.sampled_from or None)
-        # Tree node i sat at cache slot length + i - 1; keep the committed tokens and the accepted nodes.
-        compact_cache(self.cache, length, length - 1 + torch.tensor(acceptance.path, dtype=torch.long))
+        self.drafter.observe(drafted_tree, acceptance.tokens, choice.sampled_from or None)
+        pending = length - self.cached
+        self.scorer.keep(length, acceptance.path)
+        if self.intermediate is not None:
+            self.intermediate.keep(length, acceptance.path)
         if self.auto_budget is not None:
             self.auto_budget.observe(
                 grown.tree, acceptance, drafted - started, grown.draft_forwards, time.perf_counter() - verified,
                 budget=self.drafter.config.budget,
             )
-        pending = length - self.cached
-        self.cached = length + len(acceptance.path)
         return StepOutcome(
             grown, acceptance, choice.scores, choice.near_tied, logits, length, pending,
             draft_seconds=drafted - started, target_seconds=verified - drafted,
@@ -254,10 +271,14 @@ class SpecExecDecoder:
 
     def _draft(self, sequence: torch.Tensor) -> SearchResult:
         """The draft's tree under the last committed token, no deeper than ``max_length`` leaves room for."""
-        depth_left = self.max_length - sequence.shape[1] - 1
+        depth_left = self._depth_left(sequence)
         if self.auto_budget is not None:
             self.drafter.config = self.drafter.config.updated(budget=self.auto_budget.choose(depth_left))
         return self.drafter.grow_tree(self.request.draft_history(sequence[:, self.padding :]), max_depth=depth_left)
+
+    def _depth_left(self, sequence: torch.Tensor) -> int:
+        """How deep a tree after ``sequence`` may grow: ``max_length`` minus the committed tokens and the bonus one."""
+        return self.max_length - sequence.shape[1] - 1
 
     def _verify_while_drafting_ahead(self, sequence: torch.Tensor, grown: SearchResult) -> NodeLogits:
         """:meth:`_verify` in a worker thread while the draft grows the tree's search on (``draft_ahead``)."""
@@ -290,22 +311,5 @@ class SpecExecDecoder:
         return outcome[0]
 
     def _verify(self, sequence: torch.Tensor, tree: TokenTree) -> NodeLogits:
-        """One target forward: the committed tokens it has not seen (ending with the root), then the tree.
-
-        Each node takes the position after its parent's; sliding windows and chunks count sequence indices, as in
-        plain decoding, where a node at depth d would sit at index length - 1 + d.
-        """
-        request, cached, length = self.request, self.cached, sequence.shape[1] - self.padding
-        pending = sequence[0, self.padding + cached :]
-        tokens = torch.cat([pending, tree.tokens[1:].to(pending)])
-        committed_positions = request.positions_of(cached, length).to(pending)
-        depths = tree.depths[1:].to(pending)
-        positions = torch.cat([committed_positions, committed_positions[-1] + depths])
-        indices = torch.cat([torch.arange(cached, length, device=pending.device), length - 1 + depths])
-        visible = chain_and_tree_mask(cached, pending.numel(), tree.ancestor_mask()).to(pending.device)
-        if request.has_masked_tokens:  # masked tokens stay in the cache, but no query sees them
-            visible[:, :length] &= request.attended_keys(length).to(visible.device)
-        extra_inputs = request.inputs_for(cached, length, tree.num_nodes - 1)
-        hidden_states, attentions = self.trace
-        feed = Feed(self.cache, tokens, positions, visible, tree.num_nodes, extra_inputs, span_positions=indices)
-        return node_logits(self.model, feed, hidden_states=hidden_states, attentions=attentions, tree=tree)
+        """One target forward: the committed tokens it has not seen (ending with the root), then the tree."""
+        return self.scorer.score(sequence, tree)

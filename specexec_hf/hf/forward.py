@@ -204,6 +204,10 @@ class NodeLogits:
                     self._rows[path_node] = rows[index : index + 1].clone()
         return self._rows[node]
 
+    def all(self) -> torch.Tensor:
+        """``[num_nodes, vocab]`` the logits of every node (the head applied to all of them at once)."""
+        return self._logits if self._logits is not None else self.head(self.hidden).float()
+
     def _likeliest_path(self, node: int) -> list[int]:
         """``node`` and its likeliest descendants whose rows are not computed yet, at most
         :data:`WALK_ROWS_PER_HEAD_CALL` nodes."""

@@ -23,6 +23,7 @@ from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import check_masked_tokens_supported, check_same_vocabulary, check_supported
 from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor, check_draft_ahead
+from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
@@ -53,6 +54,8 @@ def generate(
     acceptance_calibration: bool | None = None,
     sampled_children: bool | None = None,
     draft_ahead: bool | None = None,
+    intermediate_model: PreTrainedModel | str | None = None,
+    draft_budget: int | None = None,
     tree_search: SearchPolicy | str = grow_tree,
     learnt_state: LearntState | None = None,
     tokenizer=None,
@@ -81,6 +84,13 @@ def generate(
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, min_draft_gain, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children, draft_ahead: see :class:`SpecExecConfig`;
             ``budget="auto"`` picks the budget before every step.
+        intermediate_model: A draft hierarchy (TriForce): a causal LM between the draft and the target, e.g. a
+            larger draft or ``"self:int8"`` / ``"self:exit:K"`` (as ``draft_model`` takes them). The draft grows a
+            tree of ``draft_budget`` nodes, the intermediate scores it in one forward, and the target verifies the
+            ``budget`` nodes it rates likeliest (see :mod:`~.hierarchy`). Not with ``budget="auto"``,
+            ``draft_ahead`` or ``sampled_children``.
+        draft_budget: With ``intermediate_model``, the draft tree's size; default
+            :data:`~.hierarchy.HIERARCHY_DRAFT_FACTOR` times ``budget``.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
             :data:`~specexec_hf.core.search.TREE_POLICIES`); the acceptance map and drawn children apply to policies
@@ -112,12 +122,15 @@ def generate(
     )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
+    intermediate = _checked_intermediate(model, intermediate_model, draft_budget, config, request, generation_config)
     state = learnt_state if learnt_state is not None else learnt_state_of(draft_model)
     if by_name:  # a policy chosen by name learns in the state, as the acceptance maps do
         do_sample = generation_config.do_sample
         ranking = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
         state.share_learning(tree_search, do_sample, *ranking)
-    decoder = _decoder(model, draft_model, request, config, tree_search, state, logits_processor, generation_config)
+    decoder = _decoder(
+        model, draft_model, request, config, tree_search, state, logits_processor, generation_config, intermediate
+    )
     recorder = OutputRecorder(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
     )
@@ -159,6 +172,50 @@ def _checked_request(
     return draft_model, request
 
 
+def _checked_intermediate(
+    model: PreTrainedModel,
+    intermediate_model: PreTrainedModel | str | None,
+    draft_budget: int | None,
+    config: SpecExecConfig,
+    request: Request,
+    generation_config: GenerationConfig,
+) -> IntermediateDraft | None:
+    """The hierarchy's intermediate level (a ``"self:..."`` spec resolved), or a clear error before any work."""
+    if intermediate_model is None:
+        if draft_budget is not None:
+            raise ValueError(
+                "draft_budget sizes the draft's tree in a draft hierarchy: pass intermediate_model=<model> with it, "
+                "or budget=<nodes> alone."
+            )
+        return None
+    conflicts = [
+        name for name, on in (
+            ('budget="auto"', config.budget == "auto"), ("draft_ahead=True", config.draft_ahead),
+            ("sampled_children=True", config.sampled_children and generation_config.do_sample),
+        ) if on
+    ]
+    if conflicts:
+        raise ValueError(
+            f"intermediate_model (a draft hierarchy) does not combine with {conflicts[0]}: the intermediate cuts the "
+            "draft's tree to a fixed budget before the target verifies it. Pass a fixed budget, draft_ahead=False "
+            "and sampled_children=False, or drop intermediate_model."
+        )
+    if draft_budget is None:
+        draft_budget = HIERARCHY_DRAFT_FACTOR * config.budget
+    if not isinstance(draft_budget, int) or isinstance(draft_budget, bool) or draft_budget < config.budget:
+        raise ValueError(
+            f"draft_budget must be an integer >= budget ({config.budget}): the intermediate keeps budget nodes of "
+            f"the draft's tree; got {draft_budget!r}."
+        )
+    intermediate_model = resolve_draft(model, intermediate_model) if isinstance(intermediate_model, str) else (
+        intermediate_model
+    )
+    check_supported(intermediate_model, "intermediate")
+    check_same_vocabulary(model, intermediate_model)
+    check_budget_fits(intermediate_model, request.input_ids.shape[1], generation_config.max_length, draft_budget)
+    return IntermediateDraft(intermediate_model, request, config.budget, draft_budget)
+
+
 def _decoder(
     model: PreTrainedModel,
     draft_model: PreTrainedModel,
@@ -168,10 +225,11 @@ def _decoder(
     state: LearntState,
     logits_processor: LogitsProcessorList,
     generation_config: GenerationConfig,
+    intermediate: IntermediateDraft | None = None,
 ) -> SpecExecDecoder:
     """The decoder for one ``generate()`` call: its drafter (with the draft's calibrated ranking settings, and the
     acceptance map and drawn children where the policy supports them), ``budget="auto"`` and the choice rule, both
-    learning in ``state``."""
+    learning in ``state``; with an ``intermediate``, the drafter grows trees of its draft budget."""
     do_sample = generation_config.do_sample
     draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
     calibrate = config.acceptance_calibration and tree_search.ranks_children
@@ -179,7 +237,8 @@ def _decoder(
     if config.draft_ahead:
         check_draft_ahead(model, draft_model)
     drafter = SpecExecCandidateGenerator(
-        draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
+        draft_model, config if intermediate is None else config.updated(budget=intermediate.draft_budget),
+        draft_temperature, search=tree_search, context_match_weights=match_weights,
         acceptance_map=state.acceptance_map(
             draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
@@ -197,7 +256,8 @@ def _decoder(
     )
     trace = (generation_config.output_hidden_states, generation_config.output_attentions)
     return SpecExecDecoder(
-        model, drafter, request, rule, generation_config.max_length, auto_budget, trace, config.draft_ahead
+        model, drafter, request, rule, generation_config.max_length, auto_budget, trace, config.draft_ahead,
+        intermediate,
     )
 
 

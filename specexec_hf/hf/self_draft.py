@@ -18,11 +18,14 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -283,7 +286,46 @@ def layer_spec(target: PreTrainedModel, name: str) -> tuple[str, list[int]]:
     return f"self:skip:{_spans([i for i in range(count) if i not in layers])}", layers
 
 
-def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str | None = None) -> PreTrainedModel:
+class ExitAdapter(nn.Module):
+    """A small trainable map a layer self-draft applies to its last hidden state, before the target's final norm
+    and LM head: ``h + (h @ down) @ up``, of rank ``rank``. ``up`` starts at zero, so an untrained adapter changes
+    nothing. LayerSkip trains the whole model for early exit; this tunes ``2 * hidden * rank`` weights only
+    (``specexec-hf distill --stage exit``), for a target trained without it.
+
+    Args:
+        hidden: The target's hidden size.
+        rank: The map's rank.
+    """
+
+    def __init__(self, hidden: int, rank: int = 64):
+        super().__init__()
+        if not 0 < rank <= hidden:
+            raise ValueError(f"An exit adapter's rank must be in 1..{hidden} (the hidden size), got {rank}.")
+        self.down = nn.Parameter(torch.randn(hidden, rank) / hidden**0.5)
+        self.up = nn.Parameter(torch.zeros(rank, hidden))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + (hidden @ self.down.to(hidden.dtype)) @ self.up.to(hidden.dtype)
+
+
+class _AdaptedNorm(nn.Module):
+    """The target's final norm, applied after an :class:`ExitAdapter`."""
+
+    def __init__(self, norm: nn.Module, adapter: ExitAdapter):
+        super().__init__()
+        self.norm, self.adapter = norm, adapter
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.adapter(hidden))
+
+
+# How decoder-only families name their final norm, beside their decoder layers.
+_FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_norm")
+
+
+def layer_self_draft(
+    target: PreTrainedModel, layers: Sequence[int], name: str | None = None, exit_adapter: ExitAdapter | None = None
+) -> PreTrainedModel:
     """A draft made of ``target``'s decoder ``layers``, in order, between its embedding and its final norm and LM head.
 
     The draft shares the target's modules (no weight is copied, nothing is allocated beyond an empty model shell) and
@@ -298,9 +340,12 @@ def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str |
         target: A decoder-only causal LM, in memory or offloaded.
         layers: Indices of the decoder layers to run, ascending, unique, at least one.
         name: What the draft is called (its ``config``'s :data:`SELF_DRAFT_ATTRIBUTE`); default from ``layers``.
+        exit_adapter: Applied to the last layer's output before the final norm (a tuned exit, :class:`ExitAdapter`);
+            the draft holds it, the target does not.
 
     Raises:
-        ValueError: ``target`` has no decoder layers, or ``layers`` is empty, unsorted or out of range.
+        ValueError: ``target`` has no decoder layers, or ``layers`` is empty, unsorted or out of range, or an
+            ``exit_adapter`` is given for a model whose final norm is not found.
     """
     layers_attribute, target_layers = _decoder_layers(target)
     count = len(target_layers)
@@ -330,7 +375,47 @@ def layer_self_draft(target: PreTrainedModel, layers: Sequence[int], name: str |
             f"{type(target).__name__} keeps weights outside its decoder's submodules, which a layer self-draft cannot "
             "share: pass a separate draft model, or 'self:int4' / 'self:int8'."
         )
+    if exit_adapter is not None:
+        norm_name = next((n for n in _FINAL_NORMS if isinstance(getattr(draft.base_model, n, None), nn.Module)), None)
+        if norm_name is None:
+            raise ValueError(
+                f"{type(target).__name__}'s final norm is none of {_FINAL_NORMS}: an exit adapter has nowhere to go. "
+                "Use the layer self-draft without one."
+            )
+        hidden = target.config.get_text_config().hidden_size
+        if exit_adapter.down.shape[0] != hidden:
+            raise ValueError(
+                f"The exit adapter maps {exit_adapter.down.shape[0]} features; {type(target).__name__}'s hidden size "
+                f"is {hidden}: it was tuned for another model."
+            )
+        setattr(draft.base_model, norm_name, _AdaptedNorm(getattr(draft.base_model, norm_name), exit_adapter))
     return draft.eval()
+
+
+def save_tuned_exit(path: str | os.PathLike, layers: Sequence[int], adapter: ExitAdapter) -> None:
+    """Writes a tuned exit: the adapter's weights and the layers it follows (safetensors, layers in its metadata)."""
+    save_file({"down": adapter.down.detach().contiguous(), "up": adapter.up.detach().contiguous()}, os.fspath(path),
+              metadata={"layers": _spans(layers)})
+
+
+def load_tuned_exit(target: PreTrainedModel, path: str | os.PathLike) -> PreTrainedModel:
+    """The layer self-draft a tuned exit file describes (:func:`save_tuned_exit`), over ``target``'s layers.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing.
+        ValueError: the file is not a tuned exit, or it was tuned for a model of another shape.
+    """
+    with safe_open(os.fspath(path), framework="pt") as file:
+        metadata = file.metadata() or {}
+        if "layers" not in metadata or set(file.keys()) != {"down", "up"}:
+            raise ValueError(f"{path} is not a tuned exit (specexec-hf distill --stage exit writes one).")
+        down, up = file.get_tensor("down"), file.get_tensor("up")
+    count = len(_decoder_layers(target)[1])
+    layers = _parse_layers(metadata["layers"], count, f"the tuned exit {path}")
+    adapter = ExitAdapter(down.shape[0], down.shape[1]).to(down.dtype)  # loads the stored values unrounded
+    adapter.load_state_dict({"down": down, "up": up})
+    adapter.to(execution_device(target))
+    return layer_self_draft(target, layers, f"self:layers:{_spans(layers)}+tuned exit", exit_adapter=adapter)
 
 
 def resolve_draft(target: PreTrainedModel, draft: PreTrainedModel | str) -> PreTrainedModel:

@@ -17,11 +17,22 @@ from .drafts import (
     load_draft_export,
     read_draft_export,
 )
-from ..hf.self_draft import LAYER_SELF_DRAFTS, SELF_DRAFTS, layer_self_draft, resident_layers, resolve_draft, self_draft
+from ..hf.self_draft import (
+    LAYER_SELF_DRAFTS,
+    SELF_DRAFTS,
+    ExitAdapter,
+    layer_self_draft,
+    load_tuned_exit,
+    resident_layers,
+    resolve_draft,
+    save_tuned_exit,
+    self_draft,
+)
 from .vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
 
 __all__ = [
     "CONTEXT_MATCH_KEY",
+    "ExitAdapter",
     "GREEDY_TEMPERATURE_KEY",
     "LAYER_SELF_DRAFTS",
     "SELF_DRAFTS",
@@ -36,10 +47,12 @@ __all__ = [
     "layer_self_draft",
     "native_bfloat16_cpu",
     "load_draft_export",
+    "load_tuned_exit",
     "read_draft_export",
     "resident_layers",
     "resolve_draft",
     "restrict_draft_vocabulary",
+    "save_tuned_exit",
     "self_draft",
     "target_cache_dir",
 ]

@@ -12,6 +12,10 @@ Stages (``--stage``, default ``all`` runs them in order):
   token equals the target's argmax and how often the argmax is in the draft's top 4; written as JSON.
 * ``export``: the draft's own weights (fp16/bf16 safetensors, or int8 matrices with per-row scales) plus a JSON
   with its config and the report.
+* ``exit`` (not part of ``all``): instead of a separate draft, tune a layer self-draft's exit: the target's first
+  ``--exit-layers`` layers, then a small trainable adapter before its final norm and LM head, learnt from the same
+  shards; ``OUT/exit.safetensors`` (load with ``specexec_hf.models.load_tuned_exit``) and ``OUT/exit_report.json``
+  (agreement and cost, untrained and tuned).
 
 ``--device cuda`` runs any stage on a GPU; data shards and checkpoints are device-free either way.
 
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .evaluate import evaluate_checkpoint
+from .exit_head import tune_exit
 from .export import export_checkpoint
 from .generate import generate_data
 from .sources import DEFAULT_TARGET, load_target
@@ -43,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' (packaged default) or a model path.")
     parser.add_argument("--out", required=True, help="Run directory for data shards, checkpoints and reports.")
-    parser.add_argument("--stage", choices=(*STAGES, "all"), default="all", help="Which stage to run.")
+    parser.add_argument("--stage", choices=(*STAGES, "all", "exit"), default="all", help="Which stage to run.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 keeps a core free).")
     parser.add_argument(
@@ -108,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--checkpoint-minutes", type=float, default=5.0, help="Checkpoint at least this often.")
     train.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in OUT.")
     train.add_argument("--holdout-shards", type=int, default=0, help="Shards kept out of training for a val loss.")
+    exit_head = parser.add_argument_group("exit (a tuned layer self-draft; uses --lr, --batch-tokens, --epochs / "
+                                          "--train-minutes)")
+    exit_head.add_argument("--exit-layers", type=int, default=None, help="Target layers the tuned exit runs (K).")
+    exit_head.add_argument("--exit-rank", type=int, default=64, help="Rank of the exit adapter.")
     evaluation = parser.add_argument_group("evaluate / export")
     evaluation.add_argument("--eval-prompts", default="eval", help="'eval' (shipped held-out set) or a JSONL file.")
     evaluation.add_argument("--eval-limit", type=int, default=None, help="Evaluate on the first N eval prompts.")
@@ -144,8 +153,10 @@ def run(args: argparse.Namespace) -> int:
     Args:
         args: Parsed options from a parser extended by :func:`add_arguments`.
     """
-    if args.stage in ("train", "all"):
+    if args.stage in ("train", "all", "exit"):
         require_stopping_rule(args)  # before the slow target load and generation, not after
+    if args.stage == "exit" and args.exit_layers is None:
+        raise ValueError("--stage exit tunes the exit after the first K target layers: pass --exit-layers K.")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -159,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"generate: wrote {tokens} target positions to {Path(args.out) / 'data'}")
         elif stage == "train":
             train_draft(args, target)
+        elif stage == "exit":
+            print(json.dumps(tune_exit(args, target, tokenizer), indent=2))
         elif stage == "evaluate":
             report = evaluate_checkpoint(args, target, tokenizer)
             print(json.dumps(report, indent=2))
