@@ -8,7 +8,6 @@ from conftest import ARCHITECTURES, perturbed_copy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specexec_hf
 from specexec_hf import SpecExecStats
 from specexec_hf.core.hierarchy import rescored_tree
 from specexec_hf.core.tree import TokenTree
@@ -171,11 +170,20 @@ def test_hierarchy_refusals():
         target.generate(ids, intermediate_model=draft, budget=8, draft_budget=4, **run)
 
 
-def test_the_default_draft_budget_is_a_multiple_of_the_budget():
+def test_the_default_draft_budget_is_a_multiple_of_the_budget(monkeypatch):
     target = tiny_model("llama", seed=0)
     draft = perturbed_copy(target, 0.5, seed=1)
+    drafted_sizes = []
+    rescore = hierarchy.IntermediateDraft.rescore
+
+    def recording(self, sequence, grown, max_depth):
+        drafted_sizes.append(grown.tree.num_nodes - 1)
+        return rescore(self, sequence, grown, max_depth)
+
+    monkeypatch.setattr(hierarchy.IntermediateDraft, "rescore", recording)
     stats = SpecExecStats()
-    target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, assistant_model=draft, speculator="specexec",
-                    budget=3, intermediate_model="self:exit:1", specexec_stats=stats)
-    assert specexec_hf.hf.hierarchy.HIERARCHY_DRAFT_FACTOR > 1
+    target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, assistant_model=draft, speculator="specexec",
+                    budget=3, max_branch=4, min_draft_gain=0.0, intermediate_model="self:exit:1", specexec_stats=stats)
+    factor = hierarchy.HIERARCHY_DRAFT_FACTOR
+    assert max(drafted_sizes) == factor * 3 and all(size <= factor * 3 for size in drafted_sizes)
     assert all(step.tree_size <= 4 for step in stats.steps)

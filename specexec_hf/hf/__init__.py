@@ -3,6 +3,9 @@
 - :mod:`.generation`: the ``custom_generate`` adapter: checks, then the decoder's steps, committed and recorded;
 - :mod:`.decoder`: one SpecExec step (``SpecExecDecoder.step``: one tree, one target forward, one walk) and the
   target's choice rule; :mod:`.outputs`: the scores, logits, hidden states and statistics ``generate()`` returns;
+- :mod:`.tree_scorer`: a model scoring trees after the committed tokens with its KV cache kept (the target's
+  verification, an intermediate draft's); :mod:`.hierarchy`: the intermediate of a draft hierarchy
+  (``intermediate_model``, TriForce);
 - :mod:`.candidate_generator`: the draft side's tree ranking and learning (``SpecExecCandidateGenerator``);
   :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever the tree policy;
 - :mod:`.draft_cache`: the draft's KV cache kept across steps, and the feeds that grow a tree into it;
@@ -12,7 +15,8 @@
 - :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.learnt_state`: what decoding learns (acceptance
   maps, ``budget="auto"``'s estimates), carried by the draft or passed as ``learnt_state=``; :mod:`.cache_dir`: the
   on-disk cache;
-- :mod:`.self_draft`: the target itself, quantized, as a draft (``"self:int4"`` / ``"self:int8"``).
+- :mod:`.self_draft`: the target itself as a draft: quantized (``"self:int4"`` / ``"self:int8"``) or some of its
+  layers (``"self:exit:K"``, ``"self:skip:..."``, with an optional tuned exit).
 """
 
 from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_trees
