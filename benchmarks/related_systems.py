@@ -30,8 +30,8 @@ step; greedy outputs are checked against plain greedy (the run exits 1 if one di
 their distribution is the property tests' (``tests/test_sampling.py``, ``tests/test_sequoia.py``), not this run's.
 
 Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every method small (one
-
-
+prompt, a few tokens) as a smoke check, without root. ``--context-tokens N`` puts each prompt after a document of N+
+tokens, for long-prompt runs (see ``results/related_systems/README.md``).
 Run (root): flock /tmp/bench.lock .venv/bin/python benchmarks/related_systems.py
 """
 

@@ -216,7 +216,7 @@ class SpecExecDecoder:
     ):
         self.model, self.drafter, self.request, self.rule = model, drafter, request, rule
         self.intermediate = intermediate
-        self.max_length, self.auto_budget, self.trace = max_length, auto_budget, trace
+        self.max_length, self.auto_budget = max_length, auto_budget
         self.draft_ahead = draft_ahead
         self.padding = request.left_padding.shape[1]
         self.scorer = TreeScorer(model, request, trace)

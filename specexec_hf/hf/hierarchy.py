@@ -37,10 +37,6 @@ class IntermediateDraft:
         self.budget, self.draft_budget = budget, draft_budget
         self._source: list[int] = []  # per node of the last re-ranked tree, its node in the draft's tree (-1: added)
 
-    @property
-    def model(self) -> PreTrainedModel:
-        return self.scorer.model
-
     def rescore(self, sequence: torch.Tensor, grown: SearchResult, max_depth: int | None) -> SearchResult:
         """The target's tree from the draft's ``grown`` one, scored after the committed ``sequence`` (``[1, L]``,
         left padding included).

@@ -54,13 +54,15 @@ def tune_exit(args: argparse.Namespace, target: PreTrainedModel, tokenizer: Any)
     total_steps = round(args.epochs * epoch_batches) if args.epochs else None
     time_budget = args.train_minutes * 60 if args.train_minutes else None
     started, step, epoch, losses = time.monotonic(), 0, 0, []
-    while (total_steps is None or step < total_steps) and (
-        time_budget is None or time.monotonic() - started < time_budget
-    ):
+
+    def finished() -> bool:
+        return (total_steps is not None and step >= total_steps) or (
+            time_budget is not None and time.monotonic() - started >= time_budget
+        )
+
+    while not finished():
         for batch in batches(examples, args.batch_tokens, random.Random(args.seed * 1_000_003 + epoch)):
-            if (total_steps is not None and step >= total_steps) or (
-                time_budget is not None and time.monotonic() - started >= time_budget
-            ):
+            if finished():
                 break
             loss = scored.loss(draft, *collate(batch))
             optimizer.zero_grad(set_to_none=True)
