@@ -146,6 +146,17 @@ class MemoryFigures:
     cap_hits: int = 0
     samples: list[list[int]] = field(default_factory=list)
 
+    @property
+    def growth_bytes_per_request(self) -> float | None:
+        """Least-squares slope of the anonymous bytes over the second half of the requests (a tree server's
+        allocator pools keep filling for a few hundred requests, then level off); ``None`` with fewer than 8
+        samples there."""
+        settled = [sample for sample in self.samples if sample[0] >= self.samples[-1][0] / 2] if self.samples else []
+        if len(settled) < 8:
+            return None
+        slope, _ = statistics.linear_regression([s[0] for s in settled], [s[1] for s in settled])
+        return slope
+
 
 @dataclass
 class MethodResult:
@@ -682,7 +693,8 @@ def markdown_table(results: list[MethodResult]) -> str:
 
     header = ["clients", "method", "budget / k", "output tok/s", "vs none", "vs draft_model",
               "time per output token (s)", "tokens per target step", "delivered per step", "mean latency (s)",
-              "outputs equal none", "peak memory (MB) / cap", "disconnects drained (s)"]  # fmt: skip
+              "outputs equal none", "peak memory (MB) / cap", "memory growth (KB/request)",
+              "disconnects drained (s)"]  # fmt: skip
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         step = f"{r.tokens_per_target_step:.2f}" if r.tokens_per_target_step is not None else "-"
@@ -691,13 +703,15 @@ def markdown_table(results: list[MethodResult]) -> str:
         if r.outputs_equal_none is False:
             equal = f"**{equal}**"
         memory = f"{r.memory.peak_bytes / 1e6:.0f} / {r.memory.limit_bytes / 1e6:.0f}" if r.memory else "-"
+        growth = r.memory.growth_bytes_per_request if r.memory else None
         drained = "-"
         if r.disconnects is not None:
             drained = "**stuck**" if r.disconnects["drained_s"] is None else f"{r.disconnects['drained_s']}"
         rows.append(
             f"| {r.concurrency} | {r.method} | {r.label} | {r.output_tokens_per_s:.2f} | {ratio(r, 'none')} "
             f"| {ratio(r, 'draft_model')} | {r.mean_time_per_output_token_s:.3f} | {step} | {delivered} "
-            f"| {r.mean_latency_s:.1f} | {equal} | {memory} | {drained} |"
+            f"| {r.mean_latency_s:.1f} | {equal} | {memory} | {'-' if growth is None else f'{growth / 1e3:.1f}'} "
+            f"| {drained} |"
         )
     return "\n".join(rows)
 
@@ -770,7 +784,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def write_report(report: dict[str, Any], results: list[MethodResult], output: Path) -> None:
     """Rewrites the JSON and the markdown table beside it with the configurations measured so far."""
     compare_with_none(results)
-    report["results"] = [{**asdict(result), "label": result.label} for result in results]
+    report["results"] = [
+        {**asdict(result), "label": result.label,
+         "memory_growth_bytes_per_request": result.memory.growth_bytes_per_request if result.memory else None}
+        for result in results
+    ]  # fmt: skip
     report["goals"] = goals(results)
     output.write_text(json.dumps(report, indent=2))
     lines = [markdown_table(results), ""]

@@ -178,3 +178,15 @@ def test_serving_benchmark_on_the_tiny_pair(vllm_env, tmp_path):
         assert results[key]["tokens_per_target_step"] > 1
         assert results[key]["delivered_tokens_per_step"] > 1
     assert output.with_suffix(".md").read_text().startswith("| clients | method |")
+
+
+@given(st.integers(0, 50_000), st.integers(-2_000, 2_000), st.integers(20, 600))
+def test_memory_growth_is_the_slope_over_the_second_half(base, per_request, requests):
+    warm_up_jump = 10**8  # memory taken in the first half does not count as growth
+    samples = [[0, base, 0]] + [
+        [finished, base + per_request * finished + (0 if finished > requests // 5 else -warm_up_jump), 0]
+        for finished in range(1, requests + 1)
+    ]
+    figures = vllm_serving.MemoryFigures(weights_bytes=1, held_bytes=1, limit_bytes=1, samples=samples)
+    assert figures.growth_bytes_per_request == pytest.approx(per_request, abs=1e-6)
+    assert vllm_serving.MemoryFigures(1, 1, 1, samples=samples[:5]).growth_bytes_per_request is None
