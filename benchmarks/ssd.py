@@ -58,6 +58,7 @@ from memory_cap import MemoryCap, evict  # noqa: E402
 from offload import disk_read_seconds, forward_seconds, load_draft  # noqa: E402
 
 import specexec_hf  # noqa: E402
+from specexec_hf.hf.learnt_state import learnt_state_of  # noqa: E402
 from specexec_hf.models import native_bfloat16_cpu, target_cache_dir  # noqa: E402
 from specexec_hf.offload import layer_streamer, load_offloaded  # noqa: E402
 from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
@@ -306,6 +307,7 @@ def timed(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict[str, A
                            "target_forwards": forwards[0]}
     if stats is not None:
         row["draft_seconds"], row["verify_seconds"] = stats.draft_seconds, stats.target_seconds
+        row["tree_sizes"] = [step.tree_size for step in stats.steps]
     return row
 
 
@@ -344,6 +346,9 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
                 print(f"  prompt {index} {method:<26} {len(row['tokens']) / row['seconds']:6.2f} tok/s"
                       f"{'' if row['equals_plain_greedy'] else '  DIFFERS'}", flush=True)
         cap_figures(cap, entry)
+        autos = learnt_state_of(draft).auto_budgets.get(model, {})
+        if autos:  # what budget="auto" chose with at the end: its timings, acceptance and modelled tokens/s
+            entry["auto_budget"] = [auto.describe() for auto in autos.values()]
     entry["methods"] = summarize(rows)
     entry["rows"] = rows
     return entry
@@ -364,6 +369,8 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         for key in ("draft_seconds", "verify_seconds"):  # SpecExec rows; reports before verify_seconds lack it
             if steps and all(key in row for row in group):
                 entry[f"{key}_per_step"] = sum(row[key] for row in group) / steps
+        if all("tree_sizes" in row for row in group):
+            entry["mean_tree_size"] = statistics.mean(size for row in group for size in row["tree_sizes"])
         if "tokens_per_target_forward" in entry:
             entry["seconds_per_step"] = entry["tokens_per_target_forward"] / entry["tokens_per_second"]
         summary[method] = entry
@@ -496,8 +503,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
                   "| method | tokens/s | median per prompt | tokens per target forward | s per step | draft s per step "
-                  "| target forward s per step | = plain |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| target forward s per step | mean tree size | = plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
 
         def cell(value: float | None, digits: int) -> str:
             return "" if value is None else f"{value:.{digits}f}"
@@ -506,8 +513,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {method} | {m['tokens_per_second']:.2f} | {m['median_prompt_tokens_per_second']:.2f} | "
                          f"{cell(m.get('tokens_per_target_forward'), 2)} | {cell(m.get('seconds_per_step'), 3)} | "
                          f"{cell(m.get('draft_seconds_per_step'), 3)} | {cell(m.get('verify_seconds_per_step'), 3)} | "
-                         f"{m['all_equal_plain_greedy']} |")
+                         f"{cell(m.get('mean_tree_size'), 1)} | {m['all_equal_plain_greedy']} |")
         lines.append("")
+        for auto in e2e.get("auto_budget", []):
+            rates = ", ".join(f"{budget} {rate:.2f}" for budget, rate in auto["modelled_tokens_per_second"].items())
+            lines += [f"`budget=\"auto\"` at the end: chose {auto['choice']}; modelled tokens/s by budget: {rates}.", ""]
     if report.get("goals"):
         lines += ["## Goals", ""] + [f"- {name}: {value:.2f}" for name, value in report["goals"].items()] + [""]
     if report.get("projections"):

@@ -111,13 +111,88 @@ def test_observed_times_rescale_the_draft_and_add_the_rest_of_a_step():
     assert auto.step_seconds(32, draft_forwards=3) == pytest.approx(1.0 + 0.3 + 0.05)
 
 
-def test_a_fixed_cost_per_step_favours_larger_trees():
+def test_observed_target_forwards_offset_the_profile_at_their_budget_and_the_nearest_unrun_ones():
+    acceptance = AcceptanceProfile(hits=[0.9], visits=[1.0])
+    profile = ForwardProfile({b + 1: 0.2 + 0.001 * (b + 1) for b in CANDIDATES})
+    auto = AutoBudget(profile, 0.0, 16, acceptance, CANDIDATES)
+    assert all(auto.target_offset(b) == 0.0 for b in CANDIDATES)
+    tree = TokenTree.from_root(0)
+    tree.add_children(torch.zeros(16, dtype=torch.long), torch.arange(16), torch.full((16,), -1.0))
+    walk = Acceptance(path=[], tokens=[99])
+    # A budget-64 tree that stopped at 16 nodes: its forward is measured against the profile at its own 17 tokens.
+    for _ in range(4):
+        auto.observe(tree, walk, 0.0, 1, budget=64, target_seconds=profile(17) + 0.3)
+    auto.observe(tree, walk, 0.0, 1, budget=16, target_seconds=profile(17) - 0.1)
+    at_64 = 4 * 0.3 / (4 + autobudget.MODEL_WEIGHT_STEPS)  # blended with no offset over the first steps
+    at_16 = -0.1 / (1 + autobudget.MODEL_WEIGHT_STEPS)
+    assert auto.target_offset(64) == pytest.approx(at_64) and auto.target_offset(16) == pytest.approx(at_16)
+    assert [auto.target_offset(b) for b in (8, 32)] == pytest.approx([at_16, at_16])  # 32: a tie, the smaller
+    assert [auto.target_offset(b) for b in (128, 1024)] == pytest.approx([at_64, at_64])
+    assert auto.step_seconds(128, draft_forwards=2) == pytest.approx(profile(129) + at_64)
+    assert auto.describe()["steps_by_budget"] == {**dict.fromkeys(CANDIDATES, 0), 16: 1, 64: 4}
+
+
+def chain(length: int) -> TokenTree:
+    """A chain of ``length`` nodes below the root, each less likely than its parent (node i ranks i-th)."""
+    tree = TokenTree.from_root(0)
+    for node in range(1, length + 1):
+        tree.add_children(torch.tensor([node - 1]), torch.tensor([node]), torch.tensor([-0.01 * node]))
+    return tree
+
+
+@given(
+    walks=st.lists(
+        st.tuples(st.sampled_from(CANDIDATES[:5]), st.integers(0, 128)), min_size=1, max_size=30
+    )
+)
+def test_observed_tokens_never_fall_as_the_budget_grows(walks):
+    auto = AutoBudget(ForwardProfile({1: 1.0}), 0.01, 16, AcceptanceProfile.with_prior(2), CANDIDATES)
+    tree = chain(128)
+    for grown_at, accepted in walks:  # each walk accepts the chain's first nodes, on a tree grown at some budget
+        auto.observe(tree, Acceptance(path=list(range(1, accepted + 1)), tokens=[0] * (accepted + 1)), 0.0, 1,
+                     budget=grown_at)
+    estimates = auto.observed_tokens()
+    assert list(estimates) == [b for b in CANDIDATES if b <= max(grown_at for grown_at, _ in walks)]
+    assert all(estimates[a] <= estimates[b] + 1e-9 for a, b in zip(estimates, list(estimates)[1:]))
+    everyone = [1 + min(accepted, CANDIDATES[0]) for _, accepted in walks]
+    assert estimates[CANDIDATES[0]] == pytest.approx(sum(everyone) / len(everyone))
+
+
+def test_budgets_seen_on_other_prompts_are_compared_on_the_walks_that_saw_both():
+    auto = AutoBudget(ForwardProfile({1: 1.0}), 0.01, 16, AcceptanceProfile.with_prior(2), CANDIDATES)
+    # Hard prompts first, on trees grown at 64: 40 children of the root, the best with one child that ranks 41st;
+    # the walk takes both: 2 tokens within 8 or 32 nodes, 3 within 64.
+    star = TokenTree.from_root(0)
+    star.add_children(torch.zeros(40, dtype=torch.long), torch.arange(40), -0.01 * torch.arange(1, 41))
+    star.add_children(torch.tensor([1]), torch.tensor([99]), torch.tensor([-1.0]))
+    for _ in range(10):
+        auto.observe(star, Acceptance(path=[1, 41], tokens=[0, 99, 0]), 0.0, 1, budget=64)
+    # Then easy ones at 32: 6 tokens within 8 nodes and within 32.
+    for _ in range(30):
+        auto.observe(chain(32), Acceptance(path=[1, 2, 3, 4, 5], tokens=[0] * 6), 0.0, 1, budget=32)
+    estimates = auto.observed_tokens()
+    mean_at_8 = (10 * 2 + 30 * 6) / 40
+    assert estimates[8] == pytest.approx(mean_at_8) and estimates[32] == pytest.approx(mean_at_8)
+    assert estimates[64] == pytest.approx(mean_at_8 * 3 / 2)  # the hard walks' own gain from 32 to 64 nodes
+    # A plain mean per budget would have put 64 (3 tokens, hard prompts only) below 32 (5 tokens).
+
+
+@pytest.mark.parametrize(
+    "observed",
+    [
+        {"other_seconds": 1.0},  # the walk and the caches took 1 s
+        {"target_seconds": 0.1 + 0.002 + 1.0},  # the disk is slower than profiled: the forward took 1 s more
+    ],
+    ids=["rest of the step", "target forward"],
+)
+def test_a_fixed_cost_per_step_favours_larger_trees(observed):
     acceptance = AcceptanceProfile(hits=[0.7, 0.2], visits=[1.0, 1.0])
     linear = ForwardProfile({b + 1: 0.1 + 0.002 * (b + 1) for b in CANDIDATES})
     auto = AutoBudget(linear, 0.01, 16, acceptance, CANDIDATES, None, 0.03)
     without = auto.choose()
-    tree = TokenTree.from_root(0)
-    auto.observe(tree, Acceptance(path=[], tokens=[1]), draft_seconds=0.01, draft_forwards=1, other_seconds=1.0)
+    tree = TokenTree.from_root(0)  # one token scored: the profile says 0.102 s
+    for _ in range(10):
+        auto.observe(tree, Acceptance(path=[], tokens=[1]), 0.01, 1, budget=without, **observed)
     assert auto.choose() > without
 
 
@@ -285,10 +360,7 @@ def test_observed_walks_replace_the_modelled_tokens_and_move_the_choice_to_small
     sublinear = ForwardProfile({b + 1: 1.0 + 0.002 * (b + 1) for b in CANDIDATES})
     auto = AutoBudget(sublinear, 0.01, 16, acceptance, CANDIDATES)
     first = auto.choose()
-    # A chain of 300 nodes whose walks accept its first two nodes: deeper nodes never pay.
-    tree = TokenTree.from_root(0)
-    for node in range(1, 301):
-        tree.add_children(torch.tensor([node - 1]), torch.tensor([node]), torch.tensor([-0.01 * node]))
+    tree = chain(300)  # whose walks accept its first two nodes: deeper nodes never pay
     for _ in range(20):
         auto.observe(tree, Acceptance(path=[1, 2], tokens=[1, 2, 7]), 0.01, 1, budget=256)
     observed = auto.expected_tokens()

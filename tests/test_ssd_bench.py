@@ -80,6 +80,9 @@ def test_quick_run_measures_every_section_and_deletes_its_shapes(tmp_path):
     assert int4["dtype"] == "int4" and "disk" in int4["not_run"]  # the library's own refusal, quoted
     assert all(method["all_equal_plain_greedy"] for method in report["end_to_end"]["methods"].values())
     assert "SpecExec budget auto" in report["end_to_end"]["methods"]
+    [auto] = report["end_to_end"]["auto_budget"]  # what "auto" chose with, for reading its choices against the rows
+    assert int(auto["choice"]) in map(int, auto["modelled_tokens_per_second"])
+    assert all(size >= 1 for row in report["end_to_end"]["rows"] for size in row.get("tree_sizes", [1]))
     assert os.listdir(shapes) == []  # the tiny checkpoint and the bound's scratch file are gone
 
 

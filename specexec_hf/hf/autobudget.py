@@ -4,7 +4,11 @@ Sequoia's idea applied to dynamic trees. Two measurements model a step at budget
 
 - time: the target's forward time over ``B + 1`` tokens and the draft's over ``expand_per_forward`` tokens,
   measured once per model, placement, device, dtype and thread count (cached in-process and on disk), with the
-  draft's forwards per tree and a running correction of the draft time from observed steps;
+  draft's forwards per tree and running corrections of both from observed steps. The target's correction is a
+  per-budget offset, since what the cached profile cannot know is mostly a constant per forward: a disk slower
+  or faster today than when it was timed, or reads that went on under the draft (on the default pair streamed from
+  disk, the profile said 0.27 s at budget 64 and 0.32 s at 128; the steps took 0.37 s and 0.44 s one day, 0.46 s
+  and 0.47 s on a slower one);
 - tokens: the expected tokens per step, ``1 + (sum of the B best node values)`` under the running per-rank
   acceptance profile (how often the target's choice was the draft's rank-r child). Under that model the best
   tree of any size is its best nodes (see :class:`specexec_hf.core.static_trees.SequoiaSearch`), which is what
@@ -12,7 +16,9 @@ Sequoia's idea applied to dynamic trees. Two measurements model a step at budget
   the acceptance it will meet): on the default pair in memory the observed tokens per step were 0.94x the modelled
   ones at budget 8 and 0.71x at budget 256. So every walk also yields observed tokens for each candidate budget up
   to the one it was grown at (the walk cut where its path leaves the tree's best ``b`` nodes), which replace the
-  model there; larger budgets keep the model scaled by the largest observed budget's ratio.
+  model there (each budget compared with the one below on the walks that saw both, since larger budgets are seen
+  on fewer walks, often other prompts'); larger budgets keep the model scaled by the largest observed budget's
+  ratio.
 
 Before every step the budget with the highest ``tokens / time`` among the candidates is used; after it the
 acceptance walk and the draft time update the running estimates.
@@ -247,11 +253,13 @@ class AutoBudget:
       ``max(depth, 1 + ceil(interior nodes / E))`` forwards, fewer where ``min_draft_gain`` stops the search: after
       the first forward that added less than that share of ``1 + forecast`` (the tree's nodes down to that depth);
     - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached; once walks have been observed,
-      the mean tokens they would have committed at that budget (:func:`tokens_within_budgets`), blended with the
-      model over its first ``MODEL_WEIGHT_STEPS`` steps; above the largest observed budget, the model times the
+      the tokens they would have committed at that budget (:func:`tokens_within_budgets`, paired across budgets
+      by :meth:`observed_tokens`), blended with the model over its first ``MODEL_WEIGHT_STEPS`` steps; above the largest observed budget, the model times the
       observed-to-modelled ratio there;
-    - time: one target forward over ``B + 1`` tokens, the draft forwards at the measured time of one, scaled by the
-      running ratio of observed to modelled draft time (which also covers the search's own host time), plus the
+    - time: one target forward over ``B + 1`` tokens plus the running mean of the observed forwards' excess over the
+      profile at that budget (blended with no excess over its first ``MODEL_WEIGHT_STEPS`` steps; a budget not yet
+      run takes the offset of the nearest one that has), the draft forwards at the measured time of one, scaled by
+      the running ratio of observed to modelled draft time (which also covers the search's own host time), plus the
       running mean of the rest of a step (the walk, the caches): a cost every step pays whatever its size, which
       makes larger trees pay more.
 
@@ -289,6 +297,11 @@ class AutoBudget:
         # Per candidate budget: the tokens observed walks would have committed there, and how many walks.
         self._observed_tokens = dict.fromkeys(self.candidates, 0.0)
         self._observed_walks = dict.fromkeys(self.candidates, 0)
+        # ... and what the same walks would have committed at the next smaller candidate (pairs the estimates).
+        self._tokens_below = dict.fromkeys(self.candidates, 0.0)
+        # Per candidate budget: the target forwards' summed excess over the profile, and how many were observed.
+        self._target_excess = dict.fromkeys(self.candidates, 0.0)
+        self._target_forwards = dict.fromkeys(self.candidates, 0)
 
     def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, int]]:
         """``{budget: (modelled tokens per step, modelled draft forwards)}`` for each candidate budget."""
@@ -321,9 +334,9 @@ class AutoBudget:
 
     def _with_observed_tokens(self, plans: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
         """``plans`` with each budget's modelled tokens replaced by what the walks observed there (see the class)."""
-        # A walk is observed at every candidate up to its tree's budget, so the observed budgets are the smallest ones.
+        estimates = self.observed_tokens()
         observed = {
-            budget: (self._observed_tokens[budget] + MODEL_WEIGHT_STEPS * modelled) / (walks + MODEL_WEIGHT_STEPS)
+            budget: (walks * estimates[budget] + MODEL_WEIGHT_STEPS * modelled) / (walks + MODEL_WEIGHT_STEPS)
             for budget, (modelled, _) in plans.items()
             if (walks := self._observed_walks[budget])
         }
@@ -335,16 +348,49 @@ class AutoBudget:
             budget: (observed.get(budget, modelled * ratio), forwards) for budget, (modelled, forwards) in plans.items()
         }
 
+    def observed_tokens(self) -> dict[int, float]:
+        """Tokens per step observed at each budget some walk reached: the mean at the smallest candidate (every walk
+        reaches it), and above it the estimate at the candidate below times the ratio of the two budgets' tokens over
+        the walks that reached both.
+
+        A walk reaches every candidate up to its tree's budget, so larger budgets are seen on fewer walks, often
+        other prompts' (the choice moves as it learns): plain means would compare a budget seen on hard prompts with
+        one seen on easy ones. The paired ratios compare them on the same walks, and, since no walk commits fewer
+        tokens with more nodes, the estimates never fall as the budget grows.
+        """
+        estimates: dict[int, float] = {}
+        below = None
+        for budget in self.candidates:
+            walks = self._observed_walks[budget]
+            if not walks:
+                break  # the reached budgets are the smallest ones
+            estimates[budget] = (
+                self._observed_tokens[budget] / walks
+                if below is None
+                else estimates[below] * self._observed_tokens[budget] / self._tokens_below[budget]
+            )
+            below = budget
+        return estimates
+
     def expected_tokens(self, max_depth: int | None = None) -> dict[int, float]:
         """Modelled tokens per step (accepted draft tokens plus the bonus) for each candidate budget."""
         return {budget: tokens for budget, (tokens, _) in self.plan(max_depth).items()}
 
+    def target_offset(self, budget: int) -> float:
+        """Seconds the target's forward at ``budget`` is modelled to take beyond its profile (see the class)."""
+        observed = [b for b in self.candidates if self._target_forwards[b]]
+        if not observed:
+            return 0.0
+        nearest = min(observed, key=lambda b: (abs(math.log(b / budget)), b))
+        return self._target_excess[nearest] / (self._target_forwards[nearest] + MODEL_WEIGHT_STEPS)
+
     def step_seconds(self, budget: int, draft_forwards: int) -> float:
-        """Modelled wall time of a step: the target over the root and ``budget`` tree tokens, the draft's forwards
-        (scaled by the observed draft time) and the rest of a step."""
+        """Modelled wall time of a step: the target over the root and ``budget`` tree tokens (its profile and the
+        observed offset), the draft's forwards (scaled by the observed draft time) and the rest of a step."""
         scale = self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0
         other = self._other_seconds / self._steps if self._steps else 0.0
-        return self.target_seconds(budget + 1) + scale * self.draft_forward_seconds * draft_forwards + other
+        target = self.target_seconds(budget + 1) + self.target_offset(budget)
+        return target + scale * self.draft_forward_seconds * draft_forwards + other
 
     def tokens_per_second(self, max_depth: int | None = None) -> dict[int, float]:
         return {
@@ -363,6 +409,8 @@ class AutoBudget:
             "acceptance_rates": self.acceptance.rates(),
             "draft_time_scale": self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0,
             "other_seconds_per_step": self._other_seconds / self._steps if self._steps else 0.0,
+            "target_offset_seconds": {budget: self.target_offset(budget) for budget in self.candidates},
+            "steps_by_budget": dict(self._target_forwards),
             "modelled_draft_forwards": {budget: forwards for budget, (_, forwards) in self.plan().items()},
             "modelled_tokens_per_step": self.expected_tokens(),
             "modelled_tokens_per_second": self.tokens_per_second(),
@@ -377,6 +425,7 @@ class AutoBudget:
         draft_forwards: int,
         other_seconds: float = 0.0,
         budget: int | None = None,
+        target_seconds: float | None = None,
     ) -> None:
         """Updates the acceptance profile, the observed tokens per budget and the time corrections with one step.
 
@@ -388,13 +437,19 @@ class AutoBudget:
             other_seconds: The step's time beside the draft and the target's forward (the walk, the caches).
             budget: The budget it was grown at (default: its size); a tree that stopped short of it (the search
                 gained too little) is what every budget between its size and that one would have grown.
+            target_seconds: The target's forward over the tree, as timed (``None``: not timed, no correction).
         """
         self.acceptance.observe(tree, acceptance)
         grown_at = tree.num_nodes - 1 if budget is None else budget
         reached = [b for b in self.candidates if b <= grown_at]
-        for b, tokens in tokens_within_budgets(tree, acceptance.path, reached).items():
-            self._observed_tokens[b] += tokens
+        within = tokens_within_budgets(tree, acceptance.path, reached)
+        for below, b in zip([None, *reached], reached):
+            self._observed_tokens[b] += within[b]
             self._observed_walks[b] += 1
+            self._tokens_below[b] += within[below] if below is not None else within[b]
+        if target_seconds is not None and reached:
+            self._target_excess[reached[-1]] += target_seconds - self.target_seconds(tree.num_nodes)
+            self._target_forwards[reached[-1]] += 1
         self._draft_observed += draft_seconds
         self._draft_modelled += self.draft_forward_seconds * draft_forwards
         self._other_seconds += other_seconds

@@ -262,7 +262,7 @@ class SpecExecDecoder:
         if self.auto_budget is not None:
             self.auto_budget.observe(
                 grown.tree, acceptance, drafted - started, grown.draft_forwards, time.perf_counter() - verified,
-                budget=self.drafter.config.budget,
+                budget=self.drafter.config.budget, target_seconds=verified - drafted,
             )
         return StepOutcome(
             grown, acceptance, choice.scores, choice.near_tied, logits, length, pending,
