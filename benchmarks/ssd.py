@@ -517,7 +517,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
         for auto in e2e.get("auto_budget", []):
             rates = ", ".join(f"{budget} {rate:.2f}" for budget, rate in auto["modelled_tokens_per_second"].items())
-            lines += [f"`budget=\"auto\"` at the end: chose {auto['choice']}; modelled tokens/s by budget: {rates}.", ""]
+            lines += [f"`budget=\"auto\"` at the end: chose {auto['choice']}; modelled tokens/s by budget: {rates}.",
+                      ""]
     if report.get("goals"):
         lines += ["## Goals", ""] + [f"- {name}: {value:.2f}" for name, value in report["goals"].items()] + [""]
     if report.get("projections"):

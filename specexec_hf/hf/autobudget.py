@@ -254,8 +254,8 @@ class AutoBudget:
       the first forward that added less than that share of ``1 + forecast`` (the tree's nodes down to that depth);
     - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached; once walks have been observed,
       the tokens they would have committed at that budget (:func:`tokens_within_budgets`, paired across budgets
-      by :meth:`observed_tokens`), blended with the model over its first ``MODEL_WEIGHT_STEPS`` steps; above the largest observed budget, the model times the
-      observed-to-modelled ratio there;
+      by :meth:`observed_tokens`), blended with the model over its first ``MODEL_WEIGHT_STEPS`` steps; above the
+      largest observed budget, the model times the observed-to-modelled ratio there;
     - time: one target forward over ``B + 1`` tokens plus the running mean of the observed forwards' excess over the
       profile at that budget (blended with no excess over its first ``MODEL_WEIGHT_STEPS`` steps; a budget not yet
       run takes the offset of the nearest one that has), the draft forwards at the measured time of one, scaled by
