@@ -29,8 +29,9 @@ WALK_ROWS_PER_HEAD_CALL = 8
 call, so on a CPU 8 rows cost about 1.6x one row (SmolLM2's 49,152 x 576 head: 16 ms against 10 ms), and a walk
 rarely accepts more than 8 nodes in a row. How much depends on the BLAS: on an AMD EPYC VM (AVX2, 2 threads) the
 head's ``F.linear`` took 22-33 ms for 2-8 rows against 10.5 ms for one, while the same product written as
-``weight @ rows.T`` took 7-16 ms; the walk's head calls were then about 45 ms of a 0.5 s step in memory. Not taken:
-it would bypass the head's hooks, which an offload executor's read of an untied head runs in."""
+``weight @ rows.T`` took 7-16 ms; the walk's head calls were then about 45 ms of a 0.5 s step in memory. Not taken
+yet (about 3% of a step): it bypasses the head's hooks, in which an offload executor reads an untied head, so it
+would need its own path for hook-free heads and its own check against plain ``generate()``."""
 _WEIGHTS_STAY_LOADED = "_specexec_weights_stay_loaded"
 
 
