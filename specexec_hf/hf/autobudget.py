@@ -443,10 +443,10 @@ class AutoBudget:
         grown_at = tree.num_nodes - 1 if budget is None else budget
         reached = [b for b in self.candidates if b <= grown_at]
         within = tokens_within_budgets(tree, acceptance.path, reached)
-        for below, b in zip([None, *reached], reached):
+        for below, b in zip(reached[:1] + reached, reached):  # the smallest is its own "below", never read
             self._observed_tokens[b] += within[b]
             self._observed_walks[b] += 1
-            self._tokens_below[b] += within[below] if below is not None else within[b]
+            self._tokens_below[b] += within[below]
         if target_seconds is not None and reached:
             self._target_excess[reached[-1]] += target_seconds - self.target_seconds(tree.num_nodes)
             self._target_forwards[reached[-1]] += 1
