@@ -10,10 +10,11 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
    file through the page cache is shown beside it.
 2. **forward**: seconds of one forward against the tokens scored (1, 4, 16, 64, 256), weights streamed from disk
    by the stream executor, for the default target and random-weight shapes written to ``--shape-dir``
-   (SmolLM2-1.7B and Llama-3-8B in bf16; deleted after their curve unless ``--keep-shapes``); as a share of the
-   bound, and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
+   (SmolLM2-1.7B and Llama-3-8B in bf16; deleted after their curves unless ``--keep-shapes``); as a share of the
+   bound (the bytes read from the files per forward over the bound), and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
    the cap leaves above the process's own before loading (ring, activations, page cache) is ``--cache-fraction``
-   (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``int4`` rows ask the library to
+   (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``bf16-f32`` rows stream the same bf16 checkpoint into a float32 model (each layer widened as it
+   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows ask the library to
    stream an optimum-quanto int4 model from disk and report its answer (today a refusal: quantized weights stream
    from CPU RAM only).
 3. **end to end**: the default pair, target streamed from disk under the same cap, draft in RAM, greedy on
@@ -25,7 +26,7 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
 
 Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every section small
 (a tiny shape, one prompt, a few tokens) as a smoke check, without root.
-Run (root): .venv/bin/python benchmarks/ssd.py   (about 35 minutes on the 2-core development machine)
+Run (root): .venv/bin/python benchmarks/ssd.py   (about 45 minutes on the 2-core development machine)
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ SHAPES = {
 # logits was OOM-killed).
 CACHE_FRACTION = 0.45
 DEFAULT_PREFETCH = "auto"  # --prefetch's default, parsed by prefetch_value: the ring sized from the cap
-DTYPES = {"bf16": torch.bfloat16, "int4": None}  # int4: optimum-quanto's qint4 decoder layers, asked of the library
+# --dtypes: the dtype the shapes' forward computes in, their checkpoints being bf16 ("bf16-f32": widened to float32 as
+# each layer lands); int4: optimum-quanto's qint4 decoder layers, asked of the library.
+DTYPES = {"bf16": torch.bfloat16, "bf16-f32": torch.float32, "int4": None}
 
 
 # Random-weight checkpoints, written without holding the model in memory ------------------------------------------
@@ -199,15 +202,16 @@ def cap_figures(cap: MemoryCap | None, entry: dict[str, Any]) -> None:
 
 @contextmanager
 def streamed_target(
-    checkpoint: Path, cap: MemoryCap | None, prefetch: int | str, fraction: float = 0.0
+    checkpoint: Path, cap: MemoryCap | None, prefetch: int | str, fraction: float = 0.0, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[torch.nn.Module, dict[str, Any]]]:
     """The checkpoint's model with every weight on disk, run by the stream executor, and the cap's figures.
 
     The cap is set before the target loads (what the process uses then plus ``fraction`` of the weights), so the
     ring, the activations and the page cache all come out of that room, and ``prefetch="auto"`` sizes the ring from
-    it as on a machine with that little memory. On exit the model is freed and the cap lifted."""
+    it as on a machine with that little memory. ``dtype``: the model's (``None``: the checkpoint's). On exit the model
+    is freed and the cap lifted."""
     entry = capped(cap, (checkpoint / "model.safetensors").stat().st_size, fraction)
-    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch)
+    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch, dtype=dtype)
     try:
         yield model, entry
     finally:
@@ -218,17 +222,26 @@ def streamed_target(
             cap.limit(None)
 
 
+def stored_dtype(checkpoint: Path) -> str | None:
+    """The dtype the checkpoint's config names (transformers 5 writes ``dtype``, earlier releases ``torch_dtype``)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype")
+
+
 def forward_curve(
-    checkpoint: Path, label: str, token_counts: list[int], repeats: int, cap: MemoryCap | None, args, bound_gbps: float
+    checkpoint: Path, label: str, token_counts: list[int], repeats: int, cap: MemoryCap | None, args, bound_gbps: float,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Forward seconds against tokens scored, the whole model streamed from disk under the cap."""
+    """Forward seconds against tokens scored, the whole model streamed from disk under the cap, computing in
+    ``dtype`` (``None``: the checkpoint's)."""
     weights = checkpoint / "model.safetensors"
     evict(weights)
-    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, entry):
+    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction, dtype) as (model, entry):
         streamer = layer_streamer(model)
-        streamed = streamer.streamed_bytes_per_forward
+        streamed = streamer.read_bytes_per_forward
         entry.update({"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                      "streamed_bytes": streamed, "ring_bytes": streamer.buffer_bytes,
+                      "stored_dtype": stored_dtype(checkpoint), "streamed_bytes": streamed,
+                      "ring_bytes_per_forward": streamer.streamed_bytes_per_forward, "ring_bytes": streamer.buffer_bytes,
                       "prefetch": streamer.prefetch})
         seconds = {}
         for tokens in token_counts:
@@ -381,19 +394,21 @@ def forward_goals(curves: list[dict[str, Any]]) -> dict[str, float]:
     """The issue's forward goals, from the forward rows: the 1-token forward's share of the bound, the flat region,
     the 64/1 ratio, and the largest weights-over-cap ratio a shape ran with (its peak named, within the cap or
     not)."""
-    measured = {curve["shape"]: curve for curve in curves if "seconds" in curve}
+    measured = [curve for curve in curves if "seconds" in curve]
     result: dict[str, float] = {}
-    for shape in (DEFAULT_TARGET, SHAPES["smollm2-1.7b"].name):
-        share = measured.get(shape, {}).get("share_of_bound", {}).get("1")
+    larger = SHAPES["smollm2-1.7b"].name
+    for curve in (curve for curve in measured if curve["shape"] in (DEFAULT_TARGET, larger)):
+        # The 1.7B shape is measured in each dtype asked (bf16, and bf16 computed in float32): a line per dtype.
+        name = curve["shape"] if curve["shape"] == DEFAULT_TARGET else f"{curve['shape']} {curve['dtype']}"
+        share = curve.get("share_of_bound", {}).get("1")
         if share is not None:
-            result[f"{shape}: 1-token forward's share of the bound (goal >= 0.85)"] = share
-    flat = measured.get(SHAPES["smollm2-1.7b"].name, {}).get("flat_tokens")
-    if flat is not None:
-        result[f"{SHAPES['smollm2-1.7b'].name}: flat up to tokens (goal >= 32)"] = flat
-    ratio = measured.get(DEFAULT_TARGET, {}).get("over_one_token", {}).get("64")
-    if ratio is not None:
-        result[f"{DEFAULT_TARGET}: 64-token forward / 1-token forward (goal <= 1.5)"] = ratio
-    capped_rows = [curve for curve in measured.values() if curve.get("capped") and "peak_bytes" in curve]
+            result[f"{name}: 1-token forward's share of the bound (goal >= 0.85)"] = share
+        if curve["shape"] == larger and curve.get("flat_tokens") is not None:
+            result[f"{name}: flat up to tokens (goal >= 32)"] = curve["flat_tokens"]
+        ratio = curve.get("over_one_token", {}).get("64")
+        if curve["shape"] == DEFAULT_TARGET and ratio is not None:
+            result[f"{name}: 64-token forward / 1-token forward (goal <= 1.5)"] = ratio
+    capped_rows = [curve for curve in measured if curve.get("capped") and "peak_bytes" in curve]
     if capped_rows:
         largest = max(capped_rows, key=lambda curve: curve["weights_over_limit"])
         within = "within" if largest["within_limit"] else "OVER"
@@ -447,7 +462,7 @@ def project(curve: dict[str, Any], pair: dict[str, Any]) -> dict[str, Any]:
         forward = interpolate(seconds, int(budget) + 1)
         if forward is not None:
             rows[method] = entry["tokens_per_target_forward"] / (forward + entry["draft_seconds_per_step"])
-    return {"shape": curve["shape"], "tokens_per_second": rows,
+    return {"shape": curve["shape"], "dtype": curve.get("dtype"), "tokens_per_second": rows,
             "best_specexec_vs_plain": (max((v for k, v in rows.items() if k != "plain generate"), default=math.nan)
                                        / rows["plain generate"]) if "plain generate" in rows else None}
 
@@ -485,7 +500,9 @@ def markdown(report: dict[str, Any]) -> str:
                    f"{curve.get('peak_bytes', 0) / 1e6:.0f} MB" if curve.get("capped") else "none"
                    ) + f", ring {curve['ring_bytes'] / 1e6:.0f} MB (prefetch {curve.get('prefetch')})"
             ratio = curve["over_one_token"].get("64")
-            lines.append(f"| {curve['shape']} | {curve['dtype']} | {cap} | " + " | ".join(cells)
+            stored = curve.get("stored_dtype")
+            dtype = curve["dtype"] + (f" ({stored} on disk)" if stored and stored != curve["dtype"] else "")
+            lines.append(f"| {curve['shape']} | {dtype} | {cap} | " + " | ".join(cells)
                          + f" | {curve['flat_tokens']} | {'' if ratio is None else f'{ratio:.2f}x'} |")
         lines.append("")
     for row in report.get("forward", []):
@@ -525,7 +542,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Projected tokens/s for larger shapes (measured forward curve + the real pair's steps)", ""]
         for projection in report["projections"]:
             cells = ", ".join(f"{name} {value:.2f}" for name, value in projection["tokens_per_second"].items())
-            lines.append(f"- {projection['shape']}: {cells}")
+            lines.append(f"- {projection['shape']} {projection.get('dtype') or ''}: {cells}")
         lines.append("")
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -677,9 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         specexec_hf.load_default_target()  # converts the GGUF on first use
-        checkpoints = {DEFAULT_TARGET: target_cache_dir()}
+        computed = [DTYPES[key] for key in ("bf16", "bf16-f32") if key in args.dtypes]  # what the shapes run in
+        # Per forward curve: (label, checkpoint, the dtype computed in; None: the checkpoint's).
+        runs: list[tuple[str, Path, torch.dtype | None]] = [(DEFAULT_TARGET, target_cache_dir(), None)]
         shapes = {SHAPES[key].name: (SHAPES[key], args.shape_dir / f"{key}-bf16") for key in args.shapes
-                  if "forward" in args.sections and "bf16" in args.dtypes}
+                  if "forward" in args.sections and computed}
         ensure_disk_space(args.shape_dir, args.bound_min_bytes * ("bound" in args.sections) + sum(
             shape.parameter_bytes(torch.bfloat16) for shape, where in shapes.values()
             if not (where / "model.safetensors").is_file()))
@@ -688,22 +707,24 @@ def main(argv: list[str] | None = None) -> int:
             written.append(where)
             if run_section(report, f"write {label}", args.out,
                            lambda: write_random_checkpoint(shape, torch.bfloat16, where)):
-                checkpoints[label] = where
+                runs += [(label, where, dtype) for dtype in computed]
         bound_gbps = 0.0
         if "bound" in args.sections:
             scratch = args.shape_dir / "bound-scratch.bin"
             written.append(scratch)
-            streamed = [checkpoint / "model.safetensors" for checkpoint in checkpoints.values()]
+            streamed = [checkpoint / "model.safetensors" for checkpoint in dict.fromkeys(c for _, c, _ in runs)]
             report["bound"] = run_section(report, "bound", args.out, lambda: bound(
                 streamed, args.bound_repeats, write_scratch_file(scratch, args.bound_min_bytes)))
             bound_gbps = (report["bound"] or {}).get("direct_gbps", 0.0)
         if "forward" in args.sections:
-            for label, checkpoint in checkpoints.items():
-                curve = run_section(report, f"forward {label}", args.out, lambda: forward_curve(
-                    checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps))
+            for position, (label, checkpoint, dtype) in enumerate(runs):
+                name = f"forward {label}" + (f" {str(dtype).removeprefix('torch.')}" if dtype else "")
+                curve = run_section(report, name, args.out, lambda: forward_curve(
+                    checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps, dtype))
                 if curve:
                     report["forward"].append(curve)
-                if checkpoint in written and not args.keep_shapes:
+                used_later = any(later == checkpoint for _, later, _ in runs[position + 1 :])
+                if checkpoint in written and not used_later and not args.keep_shapes:
                     shutil.rmtree(checkpoint)
             if "int4" in args.dtypes:
                 labels = [SHAPES[key].name for key in args.shapes]

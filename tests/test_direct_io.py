@@ -231,7 +231,7 @@ def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path,
 
 @given(
     dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
-    stored=st.sampled_from(["checkpoint, same dtype", "checkpoint, converted", "offload folder"]),
+    stored=st.sampled_from(["checkpoint, same dtype", "checkpoint, converted", "checkpoint, bfloat16", "offload folder"]),
     num_layers=st.integers(1, 4),
     vocab_size=st.sampled_from([64, 200, 1031]),
     prefetch=st.integers(1, 4),
@@ -266,7 +266,7 @@ def streamed_and_reference(folder, dtype, stored, num_layers, vocab_size, prefet
         streamed = load_offloaded(copy.deepcopy(reference), max_memory={"cpu": 0}, offload_folder=folder,
                                   prefetch=prefetch)
     else:
-        saved = dtype if stored == "checkpoint, same dtype" else torch.float64
+        saved = {"checkpoint, same dtype": dtype, "checkpoint, converted": torch.float64}.get(stored, torch.bfloat16)
         checkpoint(folder, saved, num_layers, vocab_size, seed)
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         streamed = load_offloaded(folder, max_memory={"cpu": 0}, dtype=dtype, prefetch=prefetch)
@@ -279,6 +279,17 @@ def test_the_ring_layout_lets_every_raw_run_land_in_place(tmp_path):
     streamer = layer_streamer(load_offloaded(tmp_path, max_memory={"cpu": 0}, dtype=torch.float32, prefetch=2))
     for _, plan in streamer._units:
         assert plan.requests and plan.direct_bytes == sum(request.length for request in plan.requests)
+
+
+def test_a_bfloat16_checkpoint_computed_in_float32_reads_half_the_bytes_it_streams_into_the_ring(tmp_path):
+    """The disk moves the stored bytes (block-aligned); the ring receives them widened to the compute dtype."""
+    checkpoint(tmp_path, torch.bfloat16, num_layers=3)
+    streamer = layer_streamer(load_offloaded(tmp_path, max_memory={"cpu": 0}, dtype=torch.float32, prefetch=1))
+    cycling = [(module, plan) for (module, plan), stays in zip(streamer._units, streamer._stays_loaded) if not stays]
+    stored = sum(parameter.numel() * 2 for module, _ in cycling for parameter in module.parameters())
+    requests = sum(len(plan.requests) for _, plan in cycling)
+    assert cycling and stored <= streamer.read_bytes_per_forward <= stored + 2 * direct_io.BLOCK * requests
+    assert streamer.streamed_bytes_per_forward >= 2 * stored
 
 
 def test_load_offloaded_streams_by_default(tmp_path):
@@ -311,3 +322,16 @@ def test_stream_takes_over_a_model_from_pretrained_offloaded_and_the_hint_names_
 def test_stream_refuses_a_model_accelerate_did_not_dispatch():
     with pytest.raises(ValueError, match="no hf_device_map.*load_offloaded"):
         specexec_hf.stream(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("dtype, native, hinted", [(torch.bfloat16, False, True), (torch.bfloat16, True, False),
+                                                   (torch.float32, False, False)])
+def test_bfloat16_streamed_to_a_cpu_without_native_bfloat16_gets_the_float32_hint(
+    tmp_path, monkeypatch, caplog, dtype, native, hinted
+):
+    monkeypatch.setattr(stream_module, "native_bfloat16_cpu", lambda: native)
+    checkpoint(tmp_path, torch.bfloat16)
+    with caplog.at_level("WARNING", logger=stream_module.__name__):
+        load_offloaded(tmp_path, max_memory={"cpu": 0}, dtype=dtype)
+    hints = [record.message for record in caplog.records if "dtype=torch.float32" in record.message]
+    assert len(hints) == hinted

@@ -99,19 +99,21 @@ def test_bound_reads_the_longest_file_and_the_scratch_file_buffered(tmp_path):
 
 
 def test_forward_goals_name_the_largest_weights_over_cap_and_whether_it_stayed_within():
-    def row(shape, over, peak, limit=1000, seconds=None):
+    def row(shape, over, peak, limit=1000, seconds=None, dtype="bfloat16", flat=64):
         seconds = seconds or {"1": 1.0, "64": 1.2}
-        return {"shape": shape, "dtype": "bfloat16", "capped": True, "weights_over_limit": over, "peak_bytes": peak,
+        return {"shape": shape, "dtype": dtype, "capped": True, "weights_over_limit": over, "peak_bytes": peak,
                 "limit_bytes": limit, "within_limit": peak <= limit, "seconds": seconds,
                 "share_of_bound": {"1": 0.9}, "over_one_token": {n: s / seconds["1"] for n, s in seconds.items()},
-                "flat_tokens": 64}
+                "flat_tokens": flat}
 
     curves = [row(ssd.DEFAULT_TARGET, 0.7, 900), row("SmolLM2-1.7B", 2.6, 1001e6, limit=1000e6),
+              row("SmolLM2-1.7B", 1.3, 900, dtype="float32", flat=16),
               {"shape": "SmolLM2-1.7B", "dtype": "int4", "not_run": "refused"}]
     goals = ssd.forward_goals(curves)
     assert goals[f"{ssd.DEFAULT_TARGET}: 64-token forward / 1-token forward (goal <= 1.5)"] == pytest.approx(1.2)
-    assert goals["SmolLM2-1.7B: flat up to tokens (goal >= 32)"] == 64
-    assert goals["SmolLM2-1.7B: 1-token forward's share of the bound (goal >= 0.85)"] == 0.9
+    assert goals["SmolLM2-1.7B bfloat16: flat up to tokens (goal >= 32)"] == 64
+    assert goals["SmolLM2-1.7B bfloat16: 1-token forward's share of the bound (goal >= 0.85)"] == 0.9
+    assert goals["SmolLM2-1.7B float32: flat up to tokens (goal >= 32)"] == 16  # the same shape computed in float32
     [cap] = [name for name in goals if "weights over the cap" in name]
     assert cap.startswith("SmolLM2-1.7B bfloat16") and "OVER the 1000 MB cap" in cap and goals[cap] == 2.6
 

@@ -71,3 +71,11 @@ def greedy_choice(scores: torch.Tensor, eps: float, reduction: int) -> torch.Ten
     finite = torch.isfinite(top_two).all()
     tied = finite & (top_two[0] - top_two[1] <= rounding_bound(top_two, eps, reduction))
     return torch.stack([token, tied.long()])
+
+
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX). There a small draft's forward
+    in bfloat16 takes about 40% less time than in float32 (SmolLM2's draft on a 2-core EPYC); without, bfloat16
+    matmuls convert every operand and a bfloat16 forward over many tokens is several times slower than float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)

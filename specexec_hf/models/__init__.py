@@ -8,7 +8,6 @@ from .default_pair import (
     export_default_pair,
     load_default_pair,
     load_default_target,
-    native_bfloat16_cpu,
     target_cache_dir,
 )
 from .drafts import (
@@ -17,6 +16,7 @@ from .drafts import (
     load_draft_export,
     read_draft_export,
 )
+from ..core.precision import native_bfloat16_cpu
 from ..hf.self_draft import (
     LAYER_SELF_DRAFTS,
     SELF_DRAFTS,

@@ -285,6 +285,12 @@ class ReadPlan:
     files: list[WeightFile]
 
     @property
+    def file_bytes(self) -> int:
+        """Bytes read from the files (alignment included): fewer than the buffers filled where the files store a
+        narrower dtype than the tensors they fill."""
+        return sum(request.length for request in self.requests)
+
+    @property
     def direct_bytes(self) -> int:
         """Bytes read straight into the caller's buffers (the rest goes through bounce buffers)."""
         return sum(request.length for request in self.requests if request.destination is not None)

@@ -6,6 +6,7 @@ hooks) and the executor itself (:class:`LayerStreamer`); where the bytes go in t
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..hf.forward import mark_weights_stay_loaded
+from ..core.precision import native_bfloat16_cpu
 from .direct_io import (
     BLOCK,
     DirectReader,
@@ -43,6 +45,8 @@ from .layout import (
     unit_spans,
 )
 from .memory import memory_headroom
+
+logger = logging.getLogger(__name__)
 
 # Alignment of the CPU ring's runs: the file offset modulo a block, so that direct reads land in place.
 _RING_ALIGNMENT = BLOCK
@@ -146,6 +150,14 @@ class LayerStreamer:
                 streamed.append(name)
         if not streamed:
             return None
+        computed = {parameter.meta.dtype for name in streamed for parameter in parameters[name]}
+        if torch.bfloat16 in computed and not native_bfloat16_cpu():
+            logger.warning(
+                "This model streams bfloat16 weights to a CPU without native bfloat16 matmuls, where every forward "
+                "over a tree is compute-bound: load it with dtype=torch.float32 (load_offloaded(..., "
+                "dtype=torch.float32)) to read the same bytes from disk and compute in float32, several times "
+                "faster over many tokens; the outputs are then the float32 model's."
+            )
         plans = [plan_runs(parameters[name], _RING_ALIGNMENT, padded=True) for name in streamed]
         unit_bytes = [size for size, _ in plans]
         if prefetch == "auto":
@@ -179,8 +191,15 @@ class LayerStreamer:
         Units that have a buffer to themselves (all of them when ``prefetch + 1 >= len(unit_names)``, else the
         last few, see :func:`ring_slots`) stay loaded and are read once only.
         """
-        shared = slot_members(self._slot_of)
-        return sum(size for size, slot in zip(self._unit_bytes, self._slot_of) if len(shared[slot]) > 1)
+        return sum(size for size, stays in zip(self._unit_bytes, self._stays_loaded) if not stays)
+
+    @property
+    def read_bytes_per_forward(self) -> int:
+        """Bytes each forward reads from the weight files, once the first forward has filled the ring: the bytes
+        the disk moves, against :attr:`streamed_bytes_per_forward`, the bytes the ring receives (half of those
+        where a bfloat16 checkpoint is computed in float32)."""
+        cycling = (plan for (_, plan), stays in zip(self._units, self._stays_loaded) if not stays)
+        return sum(plan.file_bytes for plan in cycling if plan is not None)  # None: a layer the device loads from RAM
 
     def wait_idle(self) -> None:
         """Blocks until every read queued so far has landed (for timing a forward without the read-ahead)."""
