@@ -67,6 +67,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
+from ..core.precision import native_bfloat16_cpu
 from ..core.search import SearchResult, tree_policy
 from ..core.step_budget import share_budget
 from ..hf.calibrated import ranking_setting
@@ -257,10 +258,7 @@ def default_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torc
     """
     if device.type != "cpu" or target_dtype != torch.float32:
         return target_dtype
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(
-        torch.cpu, "_is_amx_tile_supported", lambda: False
-    )()
-    return torch.bfloat16 if native else target_dtype
+    return torch.bfloat16 if native_bfloat16_cpu() else target_dtype
 
 
 def read_token_ids(path: str) -> torch.Tensor:
