@@ -222,12 +222,6 @@ def streamed_target(
             cap.limit(None)
 
 
-def stored_dtype(checkpoint: Path) -> str | None:
-    """The dtype the checkpoint's config names (transformers 5 writes ``dtype``, earlier releases ``torch_dtype``)."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    return config.get("dtype") or config.get("torch_dtype")
-
-
 def forward_curve(
     checkpoint: Path, label: str, token_counts: list[int], repeats: int, cap: MemoryCap | None, args, bound_gbps: float,
     dtype: torch.dtype | None = None,
@@ -239,8 +233,9 @@ def forward_curve(
     with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction, dtype) as (model, entry):
         streamer = layer_streamer(model)
         streamed = streamer.read_bytes_per_forward
+        stored = transformers.AutoConfig.from_pretrained(checkpoint).dtype  # the model's dtype may differ
         entry.update({"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                      "stored_dtype": stored_dtype(checkpoint), "streamed_bytes": streamed,
+                      "stored_dtype": str(stored).removeprefix("torch.") if stored else None, "streamed_bytes": streamed,
                       "ring_bytes_per_forward": streamer.streamed_bytes_per_forward, "ring_bytes": streamer.buffer_bytes,
                       "prefetch": streamer.prefetch})
         seconds = {}

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..hf.forward import mark_weights_stay_loaded
 from ..core.precision import native_bfloat16_cpu
+from ..hf.forward import mark_weights_stay_loaded
 from .direct_io import (
     BLOCK,
     DirectReader,
