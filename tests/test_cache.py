@@ -152,8 +152,9 @@ def test_draft_cache_keeps_fed_nodes_instead_of_refeeding():
     head_hook=st.sampled_from(["none", "hook", "hook, weights stay loaded"]),
     logprobs=st.lists(st.floats(-5, 0), min_size=6, max_size=6),
     order=st.permutations(range(7)),
+    dtype=st.sampled_from([torch.float64, torch.float32]),  # float32 on a CPU: rows as weight @ rows.T
 )
-def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, head_hook, logprobs, order):
+def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, head_hook, logprobs, order, dtype):
     from specexec_hf.hf.forward import (
         VERIFIED_MODEL_TYPES,
         WALK_ROWS_PER_HEAD_CALL,
@@ -163,9 +164,10 @@ def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, head_h
         node_logits,
     )
 
-    model = tiny_model(arch, seed=seed).to(device)
+    model = tiny_model(arch, seed=seed, dtype=dtype).to(device)
+    pre_hook_rows = []
     if head_hook != "none":  # e.g. an offloading hook: the head must then run inside the model's own forward
-        model.lm_head.register_forward_pre_hook(lambda module, args: None)
+        model.lm_head.register_forward_pre_hook(lambda module, args: pre_hook_rows.append(args[0].shape[0]))
     if head_hook == "hook, weights stay loaded":  # unless the executor keeps its weights in place
         mark_weights_stay_loaded(model.lm_head)
     tokens = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(seed))
@@ -203,3 +205,6 @@ def test_node_logits_on_demand_equal_the_full_forward(device, arch, seed, head_h
             path.append(likeliest[path[-1]])
         assert calls[before:] == [len(path)]
         computed |= set(path)
+    if head_hook != "none" and lazy.head is not None:  # the executor's hook ran before every head call
+        assert pre_hook_rows[-len(calls):] == calls
+    assert "forward" not in vars(model.lm_head)  # the head's own forward is back

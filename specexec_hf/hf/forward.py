@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..core.masks import additive_mask, causal_pattern
+from ..core.products import head_product
 from ..core.tree import TokenTree
 from .attention_spans import attention_spans, span_masks
 from .kv import record_positions
@@ -26,12 +27,7 @@ from .kv import record_positions
 VERIFIED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 WALK_ROWS_PER_HEAD_CALL = 8
 """Rows one lazy LM-head call computes: a node and its likeliest descendants. The head's weights are read once per
-call, so on a CPU 8 rows cost about 1.6x one row (SmolLM2's 49,152 x 576 head: 16 ms against 10 ms), and a walk
-rarely accepts more than 8 nodes in a row. How much depends on the BLAS: on an AMD EPYC VM (AVX2, 2 threads) the
-head's ``F.linear`` took 22-33 ms for 2-8 rows against 10.5 ms for one, while the same product written as
-``weight @ rows.T`` took 7-16 ms; the walk's head calls were then about 45 ms of a 0.5 s step in memory. Not taken
-yet (about 3% of a step): it bypasses the head's hooks, in which an offload executor reads an untied head, so it
-would need its own path for hook-free heads and its own check against plain ``generate()``."""
+call, and a walk rarely accepts more than 8 nodes in a row (see :func:`_head_rows` for what the rows cost)."""
 _WEIGHTS_STAY_LOADED = "_specexec_weights_stay_loaded"
 
 
@@ -203,7 +199,7 @@ class NodeLogits:
                 self._rows[node] = self._logits[node : node + 1].clone()
             else:
                 nodes = self._likeliest_path(node)
-                rows = self.head(self.hidden[nodes]).float()
+                rows = _head_rows(self.head, self.hidden[nodes]).float()
                 for index, path_node in enumerate(nodes):
                     self._rows[path_node] = rows[index : index + 1].clone()
         return self._rows[node]
@@ -226,6 +222,20 @@ class NodeLogits:
                 break
             path.append(child)
         return path
+
+
+def _head_rows(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` for the few rows a walk asks for, multiplied in the order of
+    :func:`~specexec_hf.core.products.head_product` (on a CPU with MKL the walk's head then cost 13.7 ms per step
+    instead of 31.0 at budget 16 and 17.4 instead of 38.9 at 64: ``benchmarks/results/walk_head``), with the head's
+    hooks run as in any call."""
+    # The product replaces the forward for this one call, so that the head's hooks (an offload executor's
+    # read-ahead) run around it as around any call.
+    head.forward = lambda rows: head_product(rows, head.weight)
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
 
 
 def _head_applies_lazily(model: PreTrainedModel) -> bool:

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.products import head_product
+
 
 class SubsetLMHead(nn.Module):
     """``hidden -> logits`` over the full vocabulary, computed only for ``token_ids`` (``-inf`` elsewhere).
@@ -37,7 +39,7 @@ class SubsetLMHead(nn.Module):
         self.weight = nn.Parameter(weight.detach()[token_ids].clone(), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = hidden @ self.weight.T
+        scores = head_product(hidden.reshape(-1, hidden.shape[-1]), self.weight).reshape(*hidden.shape[:-1], -1)
         logits = scores.new_full((*scores.shape[:-1], self.out_features), float("-inf"))
         return logits.index_copy_(-1, self.token_ids, scores)
 

@@ -1,0 +1,175 @@
+"""LM heads over a few rows on a CPU: ``F.linear`` against ``weight @ rows.T`` (``core/products.py``, used by the
+acceptance walk's lazy head and the draft's subset head), side by side in one run.
+
+Two sections, the two orders alternating so that the shared machine's drift falls on both:
+
+1. **product**: the default target's 49,152 x 576 head and the shipped draft's 8,192 x 576 subset head over 1 to 32
+   rows (one lazy head call computes up to 8, one draft forward feeds 1-16 at budgets 16-64), as ``F.linear`` and
+   as ``core.products.head_product``;
+2. **generate**: SpecExec in memory with the default pair (greedy, ``--prompts`` eval prompts x
+   ``--max-new-tokens``), the walk's head rows in either order (the draft's head always in ``head_product``'s), per
+   budget: milliseconds per step in the walk's head calls, per step in all, tokens per target forward, every output
+   checked against plain greedy ``generate()``.
+
+Writes benchmarks/results/walk_head/walk_head.{json,md} (``--out`` elsewhere).
+
+Run: .venv/bin/python benchmarks/walk_head.py [--budgets 16 64] [--prompts 8] [--max-new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import specexec_hf
+from specexec_hf.core.products import head_product
+from specexec_hf.hf import forward
+from specexec_hf.tools.bench import environment, pick_prompts
+from specexec_hf.tools.prompts import chat_inputs
+
+RESULTS = Path(__file__).resolve().parent / "results" / "walk_head"
+LIBRARY_HEAD_ROWS = forward._head_rows
+ORDERS = {"F.linear": lambda head, hidden: head(hidden), "weight @ rows.T": LIBRARY_HEAD_ROWS}
+
+
+def milliseconds(run, repeats: int) -> float:
+    """Median milliseconds of ``run()`` over ``repeats`` calls after two warm-ups."""
+    run(), run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def products(heads: dict[str, torch.Tensor], rows: list[int], repeats: int) -> list[dict]:
+    table = []
+    for count in rows:
+        for name, weight in heads.items():
+            hidden = torch.randn(count, weight.shape[1])
+            row = {"head": name, "rows": count}
+            for order, product in (("F.linear", F.linear), ("weight @ rows.T", head_product)):
+                row[f"{order} ms"] = milliseconds(lambda: product(hidden, weight), repeats)
+            row["max abs difference"] = (head_product(hidden, weight) - F.linear(hidden, weight)).abs().max().item()
+            table.append(row)
+            print(row, flush=True)
+    return table
+
+
+class _TimedHeadRows:
+    """``forward._head_rows`` in one order, timed."""
+
+    def __init__(self, order: str):
+        self.product, self.seconds = ORDERS[order], 0.0
+
+    def __call__(self, head, hidden):
+        started = time.perf_counter()
+        try:
+            return self.product(head, hidden)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def generation(target, draft, tokenizer, budgets: list[int], prompts: int, max_new_tokens: int) -> list[dict]:
+    inputs = [chat_inputs(tokenizer, prompt) for prompt in pick_prompts(prompts)]
+    plain = [target.generate(**x, max_new_tokens=max_new_tokens, do_sample=False) for x in inputs]
+    table = []
+    try:
+        for budget in budgets:
+            kwargs = dict(do_sample=False, assistant_model=draft, speculator="specexec", budget=budget)
+            target.generate(**inputs[0], max_new_tokens=4, **kwargs)  # warm-up
+            runs = {order: {"head": _TimedHeadRows(order), "stats": specexec_hf.SpecExecStats(), "seconds": 0.0,
+                            "equal": True} for order in ORDERS}
+            for x, reference in zip(inputs, plain):
+                for run in runs.values():  # alternating per prompt
+                    forward._head_rows = run["head"]
+                    started = time.perf_counter()
+                    out = target.generate(**x, max_new_tokens=max_new_tokens, specexec_stats=run["stats"], **kwargs)
+                    run["seconds"] += time.perf_counter() - started
+                    run["equal"] &= torch.equal(out, reference)
+            for order, run in runs.items():
+                steps = run["stats"].target_forwards
+                row = {
+                    "budget": budget,
+                    "order": order,
+                    "walk_head_ms_per_step": run["head"].seconds / steps * 1e3,
+                    "ms_per_step": run["seconds"] / steps * 1e3,
+                    "tokens_per_second": run["stats"].new_tokens / run["seconds"],
+                    "tokens_per_target_forward": run["stats"].new_tokens / steps,
+                    "all_equal_plain_greedy": run["equal"],
+                }
+                table.append(row)
+                print(row, flush=True)
+    finally:
+        forward._head_rows = LIBRARY_HEAD_ROWS
+    return table
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# LM heads over a few rows: F.linear against weight @ rows.T",
+        "",
+        f"`{report['command']}` on {report['environment']['machine']['cpu']} ({report['threads']} threads), torch "
+        f"{report['environment']['versions']['torch']}. The two orders alternate.",
+        "",
+        f"## The heads over a few rows (ms, median of {report['repeats']}; unit-variance random rows)",
+        "",
+        "| head | rows | F.linear | weight @ rows.T | largest difference |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in report["product"]:
+        lines.append(f"| {row['head']} | {row['rows']} | {row['F.linear ms']:.2f} | {row['weight @ rows.T ms']:.2f} | "
+                     f"{row['max abs difference']:.1e} |")
+    lines += ["", "## SpecExec in memory, default pair (greedy)", "",
+              "| budget | order | walk head ms/step | ms/step | tok/s | tokens per forward | outputs equal plain |",
+              "|---:|---|---:|---:|---:|---:|---|"]
+    for row in report["generate"]:
+        lines.append(
+            f"| {row['budget']} | {row['order']} | {row['walk_head_ms_per_step']:.1f} | {row['ms_per_step']:.1f} | "
+            f"{row['tokens_per_second']:.2f} | {row['tokens_per_target_forward']:.2f} | "
+            f"{row['all_equal_plain_greedy']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft, tokenizer = specexec_hf.load_default_pair(draft_dtype=torch.float32)
+    env = environment(args)
+    report = {
+        "command": env["command"],
+        "environment": env,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "product": products(
+            {"target 49152 x 576": target.get_output_embeddings().weight,
+             "draft 8192 x 576": draft.get_output_embeddings().weight},
+            args.rows, args.repeats,
+        ),
+        "generate": generation(target, draft, tokenizer, args.budgets, args.prompts, args.max_new_tokens),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "walk_head.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.out / "walk_head.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
