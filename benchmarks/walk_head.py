@@ -142,7 +142,7 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 13, 16, 27, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)

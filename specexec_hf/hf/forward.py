@@ -227,7 +227,7 @@ class NodeLogits:
 def _head_rows(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """``head(hidden)`` for the few rows a walk asks for, multiplied in the order of
     :func:`~specexec_hf.core.products.head_product` (on a CPU with MKL the walk's head then cost 13.7 ms per step
-    instead of 31.0 at budget 16 and 17.4 instead of 38.9 at 64: ``benchmarks/results/walk_head``), with the head's
+    instead of 30.0 at budget 16 and 16.7 instead of 35.2 at 64: ``benchmarks/results/walk_head``), with the head's
     hooks run as in any call."""
     # The product replaces the forward for this one call, so that the head's hooks (an offload executor's
     # read-ahead) run around it as around any call.
