@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import assert_close_across_kernels, rounding_bound
 from transformers import AutoModelForCausalLM
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -77,7 +78,9 @@ def test_exported_default_draft_scores_as_the_shipped_one(tmp_path):
     with torch.no_grad():
         expected, logits = shipped(ids).logits, exported(ids).logits
     scored = shipped.get_output_embeddings().token_ids
-    torch.testing.assert_close(logits[..., scored], expected[..., scored])
+    # The same layers; the shipped head multiplies its 7 rows in core.products.head_product's order on a CPU.
+    bound = rounding_bound(torch.float32, reduction=shipped.config.hidden_size)
+    assert_close_across_kernels(logits[..., scored], expected[..., scored], bound)
     others = torch.ones(logits.shape[-1], dtype=torch.bool)
     others[scored] = False
     head = exported.get_output_embeddings().weight
