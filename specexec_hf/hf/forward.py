@@ -9,6 +9,7 @@ applied lazily (:class:`NodeLogits`). Whether a model can take these forwards at
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ WALK_ROWS_PER_HEAD_CALL = 8
 """Rows one lazy LM-head call computes: a node and its likeliest descendants. The head's weights are read once per
 call, and a walk rarely accepts more than 8 nodes in a row (see :func:`_head_rows` for what the rows cost)."""
 _WEIGHTS_STAY_LOADED = "_specexec_weights_stay_loaded"
+_HEAD_ROWS_LOCK = threading.Lock()
 
 
 def mark_weights_stay_loaded(module: torch.nn.Module) -> None:
@@ -230,12 +232,16 @@ def _head_rows(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     instead of 30.0 at budget 16 and 16.7 instead of 35.2 at 64: ``benchmarks/results/walk_head``), with the head's
     hooks run as in any call."""
     # The product replaces the forward for this one call, so that the head's hooks (an offload executor's
-    # read-ahead) run around it as around any call.
-    head.forward = lambda rows: head_product(rows, head.weight)
-    try:
-        return head(hidden)
-    finally:
-        del head.forward
+    # read-ahead) run around it as around any call. The lock keeps walks in other threads from overlapping it; a
+    # call of the same head from another thread outside a walk meanwhile gets the same order (rounding only).
+    with _HEAD_ROWS_LOCK:
+        if "forward" in vars(head):  # someone else's per-instance forward (a wrapper): leave it alone
+            return head(hidden)
+        head.forward = lambda rows: head_product(rows, head.weight)
+        try:
+            return head(hidden)
+        finally:
+            del head.forward
 
 
 def _head_applies_lazily(model: PreTrainedModel) -> bool:
