@@ -5,8 +5,9 @@ The acceptance walk multiplies 2-8 hidden states by the target's head (SmolLM2's
 ``F.linear(rows, weight)`` took longer for 2-8 rows than for one, while the same product taken as
 ``(weight @ rows.T).T`` took 5.6-10.4 ms against 16.2-17.8 for the target's head, 0.8-1.5 against 2.0-2.4 for the
 draft's (``benchmarks/results/walk_head``). That order is slow for some row counts above 8 (a throwaway timing of both
-heads: 13-15 and 23-31 rows took longer than with ``F.linear``), so there the rows are padded with zeros to a
-multiple of :data:`ROW_BLOCK`, which was faster than ``F.linear`` at every count from 9 to 100 on both heads. Elsewhere
+heads, not kept: 13-15 and 23-31 rows took longer than with ``F.linear``), so there the rows are padded with zeros
+to a multiple of :data:`ROW_BLOCK`, which in that same timing was faster than ``F.linear`` at every count from 9 to
+100 on both heads (the kept benchmark has 13, 16, 27 and 32 rows). Elsewhere
 (another device, another dtype, one row) ``F.linear`` runs as usual. The two orders round differently: a draft's
 rounding changes its proposals at most, and a target's head rounds differently over several rows than over one
 anyway (see :mod:`.precision`).
