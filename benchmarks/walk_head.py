@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 import specexec_hf
 from specexec_hf.core.products import head_product
 from specexec_hf.hf import forward
-from specexec_hf.tools.bench import environment, pick_prompts
+from specexec_hf.tools.bench import alternating_generations, environment, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "walk_head"
@@ -65,7 +66,7 @@ def products(heads: dict[str, torch.Tensor], rows: list[int], repeats: int) -> l
 
 
 class _TimedHeadRows:
-    """``forward._head_rows`` in one order, timed."""
+    """``forward._head_rows`` in one order, timed, while entered."""
 
     def __init__(self, order: str):
         self.product, self.seconds = ORDERS[order], 0.0
@@ -77,39 +78,38 @@ class _TimedHeadRows:
         finally:
             self.seconds += time.perf_counter() - started
 
+    @contextmanager
+    def installed(self):
+        forward._head_rows = self
+        try:
+            yield
+        finally:
+            forward._head_rows = LIBRARY_HEAD_ROWS
+
 
 def generation(target, draft, tokenizer, budgets: list[int], prompts: int, max_new_tokens: int) -> list[dict]:
     inputs = [chat_inputs(tokenizer, prompt) for prompt in pick_prompts(prompts)]
     plain = [target.generate(**x, max_new_tokens=max_new_tokens, do_sample=False) for x in inputs]
     table = []
-    try:
-        for budget in budgets:
-            kwargs = dict(do_sample=False, assistant_model=draft, speculator="specexec", budget=budget)
-            target.generate(**inputs[0], max_new_tokens=4, **kwargs)  # warm-up
-            runs = {order: {"head": _TimedHeadRows(order), "stats": specexec_hf.SpecExecStats(), "seconds": 0.0,
-                            "equal": True} for order in ORDERS}
-            for x, reference in zip(inputs, plain):
-                for run in runs.values():  # alternating per prompt
-                    forward._head_rows = run["head"]
-                    started = time.perf_counter()
-                    out = target.generate(**x, max_new_tokens=max_new_tokens, specexec_stats=run["stats"], **kwargs)
-                    run["seconds"] += time.perf_counter() - started
-                    run["equal"] &= torch.equal(out, reference)
-            for order, run in runs.items():
-                steps = run["stats"].target_forwards
-                row = {
-                    "budget": budget,
-                    "order": order,
-                    "walk_head_ms_per_step": run["head"].seconds / steps * 1e3,
-                    "ms_per_step": run["seconds"] / steps * 1e3,
-                    "tokens_per_second": run["stats"].new_tokens / run["seconds"],
-                    "tokens_per_target_forward": run["stats"].new_tokens / steps,
-                    "all_equal_plain_greedy": run["equal"],
-                }
-                table.append(row)
-                print(row, flush=True)
-    finally:
-        forward._head_rows = LIBRARY_HEAD_ROWS
+    for budget in budgets:
+        heads = {order: _TimedHeadRows(order) for order in ORDERS}
+        runs = alternating_generations(
+            target, inputs, plain, {order: head.installed for order, head in heads.items()}, max_new_tokens,
+            do_sample=False, assistant_model=draft, speculator="specexec", budget=budget,
+        )
+        for order, run in runs.items():
+            measured = run.row()
+            row = {
+                "budget": budget,
+                "order": order,
+                "walk_head_ms_per_step": heads[order].seconds / run.stats.target_forwards * 1e3,
+                "ms_per_step": measured["ms_per_step"],
+                "tokens_per_second": measured["tokens_per_second"],
+                "tokens_per_target_forward": measured["tokens_per_target_forward"],
+                "all_equal_plain_greedy": measured["all_equal_reference"],
+            }
+            table.append(row)
+            print(row, flush=True)
     return table
 
 
@@ -128,28 +128,40 @@ def markdown(report: dict) -> str:
     for row in report["product"]:
         lines.append(f"| {row['head']} | {row['rows']} | {row['F.linear ms']:.2f} | {row['weight @ rows.T ms']:.2f} | "
                      f"{row['max abs difference']:.1e} |")
-    lines += ["", "## SpecExec in memory, default pair (greedy)", "",
-              "| budget | order | walk head ms/step | ms/step | tok/s | tokens per forward | outputs equal plain |",
-              "|---:|---|---:|---:|---:|---:|---|"]
-    for row in report["generate"]:
+    return "\n".join(lines + generate_table(report["generate"], "order", "walk head", "walk_head_ms_per_step")) + "\n"
+
+
+def generate_table(rows: list[dict], variant: str, timed: str, timed_key: str) -> list[str]:
+    """The markdown of a generate section: per budget and ``variant``, the ``timed`` part's ms per step, ms per
+    step in all, tokens/s, tokens per forward and whether every output equalled plain greedy."""
+    lines = ["", "## SpecExec in memory, default pair (greedy)", "",
+             f"| budget | {variant} | {timed} ms/step | ms/step | tok/s | tokens per forward | outputs equal plain |",
+             "|---:|---|---:|---:|---:|---:|---|"]
+    for row in rows:
         lines.append(
-            f"| {row['budget']} | {row['order']} | {row['walk_head_ms_per_step']:.1f} | {row['ms_per_step']:.1f} | "
+            f"| {row['budget']} | {row[variant]} | {row[timed_key]:.1f} | {row['ms_per_step']:.1f} | "
             f"{row['tokens_per_second']:.2f} | {row['tokens_per_target_forward']:.2f} | "
             f"{row['all_equal_plain_greedy']} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def parse_arguments(description: str, rows: list[int], budgets: list[int], repeats: int) -> argparse.Namespace:
+    """The command line both alternating benchmarks take, with their own defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=rows)
+    parser.add_argument("--budgets", type=int, nargs="+", default=budgets)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="where the results go (default: the kept folder)")
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 13, 16, 27, 32])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parse_arguments(__doc__, [1, 2, 4, 8, 13, 16, 27, 32], [16, 64], 21)
+    args.out = args.out or RESULTS
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = specexec_hf.load_default_pair(draft_dtype=torch.float32)
     env = environment(args)

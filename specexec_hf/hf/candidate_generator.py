@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
-from ..core.context_match import ContextIndex, mix_context_guesses
+from ..core.context_match import ContextIndex, Followers, mix_context_guesses
 from ..core.search import (
     BestFirstPolicy,
     BestFirstSearch,
@@ -38,7 +39,7 @@ from ..core.search import (
 from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
 from .compat import check_supported
-from .draft_cache import DraftCache, forward_feeds
+from .draft_cache import DraftCache, forward_feeds, scored_columns
 from .forward import Feed
 
 SAMPLED_AFTER = 1
@@ -182,35 +183,65 @@ class SpecExecCandidateGenerator:
         search.extend(budget)
         self._grown_ahead = True
         forwards = 0
-        while not done() and (nodes := search.next_nodes()) is not None:
-            (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)])
-            search.add_expansion(nodes, self.expansion(search.pool, nodes, logits))
-            forwards += 1
+        with scored_columns(self.draft_model) if self.takes_scored_columns else nullcontext() as columns:
+            while not done() and (nodes := search.next_nodes()) is not None:
+                (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)])
+                search.add_expansion(nodes, self.expansion(search.pool, nodes, logits, columns))
+                forwards += 1
         return forwards
+
+    @property
+    def takes_scored_columns(self) -> bool:
+        """Whether :meth:`expansion` can take logits over part of the vocabulary (:func:`.scored_columns`): when
+        it returns each node's best children (an acceptance map, no drawn children) rather than whole rows."""
+        return self.acceptance_map is not None and not self.sampled_children
 
     def feed(self, pool: TokenTree, nodes: torch.Tensor) -> Feed:
         """What the draft runs to expand the search's pool ``nodes`` (see :meth:`.DraftCache.feed`)."""
         return self.draft_cache.feed(pool, nodes)
 
-    def expansion(self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | TopCandidates:
+    def expansion(
+        self, pool: TokenTree, nodes: torch.Tensor, logits: torch.Tensor, columns: torch.Tensor | None = None
+    ) -> torch.Tensor | TopCandidates:
         """Turns the draft's ``logits`` at ``nodes`` (from their :meth:`feed`) into what the search takes: their
-        log-probs, or with an acceptance map or drawn children their best ``max_branch`` children per node."""
+        log-probs, or with an acceptance map or drawn children their best ``max_branch`` children per node.
+
+        Args:
+            pool: The search's pool.
+            nodes: The pool nodes fed.
+            logits: ``[nodes, vocab]`` the draft's logits there, or ``[nodes, columns]`` over ``columns`` only.
+            columns: The vocabulary ids of the logits' columns, ascending, every other token impossible
+                (:func:`.scored_columns`); ``None``: the whole vocabulary. Only when :attr:`takes_scored_columns`.
+        """
+        if columns is not None and not self.takes_scored_columns:
+            raise ValueError(
+                "Logits over part of the vocabulary need a generator that ranks children (an acceptance map, no "
+                "sampled_children); pass full-vocabulary logits."
+            )
         self.draft_cache.record_feed(pool, nodes)
         # Dividing by 1.0 would still copy the [nodes, vocab] logits.
         scaled = logits if self.temperature == 1.0 else logits / self.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
         if self._context is not None:
-            logprobs = mix_context_guesses(logprobs, self._context_matches(pool, nodes), self.context_match_weights)
+            matches = self._context_matches(pool, nodes)
+            if columns is not None:
+                logprobs, columns, matches = _guesses_as_columns(logprobs, columns, matches)
+            logprobs = mix_context_guesses(logprobs, matches, self.context_match_weights)
         if self.acceptance_map is None and not self.sampled_children:
             return logprobs
-        return self._ranked_children(nodes, logprobs)
+        return self._ranked_children(nodes, logprobs, columns)
 
-    def _ranked_children(self, nodes: torch.Tensor, logprobs: torch.Tensor) -> TopCandidates:
+    def _ranked_children(
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, columns: torch.Tensor | None = None
+    ) -> TopCandidates:
         """Each node's best ``max_branch`` children (the first drawn, with ``sampled_children``), scored by the
-        acceptance map; kept to learn from once the target has walked the tree."""
+        acceptance map; kept to learn from once the target has walked the tree. ``columns``: as :meth:`expansion`
+        (then without drawn children)."""
         # The search keeps each node's best max_branch candidates, which a monotone map does not reorder.
         branch = min(self.config.max_branch, logprobs.shape[-1])
         top_logprobs, top_tokens = logprobs.topk(branch, dim=-1)
+        if columns is not None:
+            top_tokens = columns[top_tokens]
         ranks = torch.arange(branch, device=top_tokens.device).expand(top_tokens.shape)
         if self.sampled_children and branch > SAMPLED_AFTER:
             # Gumbel-top-k: the order of log q + Gumbel noise (log q - log E, E ~ Exp(1)) is a draw without
@@ -350,12 +381,36 @@ def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor
         raise ValueError("grow_trees needs one generator per request, all sharing one draft model.")
     searches = [generator.start_tree(input_ids, max_depth) for generator, input_ids, max_depth in requests]
     calls = 0
-    while True:
-        work = [(i, nodes) for i, search in enumerate(searches) if (nodes := search.next_nodes()) is not None]
-        if not work:
-            break
-        feeds = [generators[i].feed(searches[i].pool, nodes) for i, nodes in work]
-        calls += 1
-        for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
-            searches[i].add_expansion(nodes, generators[i].expansion(searches[i].pool, nodes, logits))
+    compact = all(generator.takes_scored_columns for generator in generators)
+    with scored_columns(model) if compact else nullcontext() as columns:
+        while True:
+            work = [(i, nodes) for i, search in enumerate(searches) if (nodes := search.next_nodes()) is not None]
+            if not work:
+                break
+            feeds = [generators[i].feed(searches[i].pool, nodes) for i, nodes in work]
+            calls += 1
+            for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
+                searches[i].add_expansion(nodes, generators[i].expansion(searches[i].pool, nodes, logits, columns))
     return TreeBatch([search.result() for search in searches], calls)
+
+
+def _guesses_as_columns(
+    logprobs: torch.Tensor, columns: torch.Tensor, matches: Sequence[tuple[int, Followers]]
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Followers]]]:
+    """Context guesses over log-probs that cover only ``columns`` (ascending vocabulary ids): a guessed token
+    outside them gets a column of its own (``-inf`` before the mix, as in a full row), and every guess names its
+    column instead of its token. Returns the widened log-probs, their columns and the matches in column terms."""
+    guessed = sorted({token for _, followers in matches for token in followers})
+    if not guessed:
+        return logprobs, columns, list(matches)
+    tokens = torch.tensor(guessed, dtype=columns.dtype, device=columns.device)
+    at = torch.searchsorted(columns, tokens).clamp(max=columns.numel() - 1)
+    scored = columns[at] == tokens
+    extra = tokens[~scored]
+    column_of = dict(zip(guessed, at.tolist()))
+    column_of.update(zip(extra.tolist(), range(columns.numel(), columns.numel() + extra.numel())))
+    if extra.numel():
+        logprobs = torch.cat([logprobs, logprobs.new_full((logprobs.shape[0], extra.numel()), -math.inf)], dim=-1)
+        columns = torch.cat([columns, extra])
+    in_columns = [(order, {column_of[token]: n for token, n in followers.items()}) for order, followers in matches]
+    return logprobs, columns, in_columns

@@ -6,12 +6,14 @@ It only ever needs the token history: on each tree it keeps the longest part of 
 (the committed tokens plus any accepted tree nodes it had already fed), cuts the rest, and feeds the draft only the
 tokens it has not seen. That serves the Hugging Face loop (history grows by the accepted tokens) and serving engines
 (history may be anything) with the same code. :func:`forward_feeds` runs several sequences' :class:`Feed`
-records in one batched forward.
+records in one batched forward; within :func:`scored_columns`, a draft whose head scores part of the vocabulary
+returns only those columns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel
@@ -180,6 +182,24 @@ class DraftCache:
             fed_from = self.cache.get_seq_length() - nodes.numel()
             slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
+
+
+@contextmanager
+def scored_columns(model: PreTrainedModel) -> Iterator[torch.Tensor | None]:
+    """Within it, in this thread, a draft whose LM head scores only part of the vocabulary returns logits over those
+    columns only, and it yields their vocabulary ids (``[columns]``, ascending); any other draft returns full rows,
+    and it yields ``None``.
+
+    A head opts in with a ``compact_scores()`` context manager that yields its ids, as
+    :class:`~specexec_hf.models.vocab.SubsetLMHead` does: SmolLM2's shipped draft scores 8,192 of 49,152 tokens,
+    and ranking a node's children over full rows spent most of its time on the ``-inf`` columns.
+    """
+    compact_scores = getattr(model.get_output_embeddings(), "compact_scores", None)
+    if compact_scores is None:
+        yield None
+        return
+    with compact_scores() as token_ids:
+        yield token_ids
 
 
 def forward_feeds(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.Tensor]:

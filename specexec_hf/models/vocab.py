@@ -9,11 +9,18 @@ cost and reach change.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from ..core.products import head_product
+
+_COMPACT = threading.local()  # .heads: ids of the heads returning compact scores in this thread
+
 
 
 class SubsetLMHead(nn.Module):
@@ -38,8 +45,24 @@ class SubsetLMHead(nn.Module):
         self.register_buffer("token_ids", token_ids)
         self.weight = nn.Parameter(weight.detach()[token_ids].clone(), requires_grad=False)
 
+    @contextmanager
+    def compact_scores(self) -> Iterator[torch.Tensor]:
+        """Within it, in this thread only, the head returns just its scored columns, ``[..., len(token_ids)]``,
+        and it yields their vocabulary ids (ascending): a tree's ranking then skips the ``-inf`` columns, which a
+        full-vocabulary row spends most of its log-softmax and top-k on (``hf.draft_cache.scored_columns``)."""
+        heads = _COMPACT.__dict__.setdefault("heads", set())
+        outermost = id(self) not in heads
+        heads.add(id(self))
+        try:
+            yield self.token_ids
+        finally:
+            if outermost:
+                heads.discard(id(self))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = head_product(hidden.reshape(-1, hidden.shape[-1]), self.weight).reshape(*hidden.shape[:-1], -1)
+        if id(self) in getattr(_COMPACT, "heads", ()):
+            return scores
         logits = scores.new_full((*scores.shape[:-1], self.out_features), float("-inf"))
         return logits.index_copy_(-1, self.token_ids, scores)
 

@@ -570,6 +570,60 @@ def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel
     return draft
 
 
+@dataclass
+class VariantRun:
+    """What :func:`alternating_generations` measured for one variant: its SpecExec statistics, wall seconds in
+    ``generate()`` and whether every output equalled its reference."""
+
+    stats: SpecExecStats = field(default_factory=SpecExecStats)
+    seconds: float = 0.0
+    all_equal: bool = True
+
+    def row(self) -> dict[str, Any]:
+        """Per step: milliseconds in all and in drafting; tokens/s, tokens per target forward, outputs equal."""
+        steps = self.stats.target_forwards
+        return {
+            "ms_per_step": self.seconds / steps * 1e3,
+            "draft_ms_per_step": self.stats.draft_seconds / steps * 1e3,
+            "tokens_per_second": self.stats.new_tokens / self.seconds,
+            "tokens_per_target_forward": self.stats.new_tokens / steps,
+            "all_equal_reference": self.all_equal,
+        }
+
+
+def alternating_generations(
+    target: PreTrainedModel,
+    inputs: Sequence[Any],
+    references: Sequence[torch.Tensor],
+    variants: dict[str, Callable[[], Any]],
+    max_new_tokens: int,
+    **generate_kwargs: Any,
+) -> dict[str, VariantRun]:
+    """``generate()`` on every input once per variant, the variants alternating per prompt so that a shared
+    machine's drift falls on all of them alike.
+
+    Args:
+        target: The model generating.
+        inputs: Tokenized prompts (``generate()`` keyword arguments).
+        references: Per input, the output every variant must give (plain greedy decoding's, say).
+        variants: Name -> a context manager factory, entered around each of that variant's calls.
+        max_new_tokens: Tokens per prompt.
+        generate_kwargs: Further ``generate()`` arguments, the same for every variant (one warm-up call first,
+            outside the variants).
+    """
+    runs = {name: VariantRun() for name in variants}
+    target.generate(**inputs[0], max_new_tokens=4, **generate_kwargs)
+    for x, reference in zip(inputs, references):
+        for name, variant in variants.items():
+            run = runs[name]
+            with variant():
+                started = time.perf_counter()
+                out = target.generate(**x, max_new_tokens=max_new_tokens, specexec_stats=run.stats, **generate_kwargs)
+                run.seconds += time.perf_counter() - started
+            run.all_equal &= torch.equal(out, reference)
+    return runs
+
+
 def greedy_continuations(
     target: PreTrainedModel, prompts: Sequence[torch.Tensor], max_new_tokens: int
 ) -> list[tuple[torch.Tensor, int]]:
