@@ -19,17 +19,15 @@ Run: .venv/bin/python benchmarks/draft_columns.py [--budgets 16 64 128] [--promp
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-import specexec_hf
 from specexec_hf.hf import candidate_generator
-from specexec_hf.tools.bench import alternating_generations, environment, pick_prompts
+from specexec_hf.tools.bench import alternating_generations, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
-from walk_head import generate_table, milliseconds, parse_arguments
+from walk_head import generate_table, heading, milliseconds, parse_arguments, run_and_write
 
 RESULTS = Path(__file__).resolve().parent / "results" / "draft_columns"
 BRANCH = 8  # the default max_branch: children ranked per node
@@ -88,12 +86,8 @@ def generation(target, draft, tokenizer, budgets: list[int], prompts: int, max_n
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        "# Ranking a tree's children over the draft's scored columns against full rows",
-        "",
-        f"`{report['command']}` on {report['environment']['machine']['cpu']} ({report['threads']} threads), torch "
-        f"{report['environment']['versions']['torch']}. The two ways alternate.",
-        "",
+    title = "Ranking a tree's children over the draft's scored columns against full rows"
+    lines = heading(report, title, "ways") + [
         f"## One draft forward's logits to children (ms, median of {report['repeats']}; the shipped draft's head)",
         "",
         "| rows | full rows | scored columns | same children |",
@@ -108,21 +102,10 @@ def markdown(report: dict) -> str:
 def main() -> None:
     args = parse_arguments(__doc__, [1, 4, 16, 32, 64], [16, 64, 128], 51)
     args.out = args.out or RESULTS
-    torch.set_num_threads(args.threads)
-    target, draft, tokenizer = specexec_hf.load_default_pair(draft_dtype=torch.float32)
-    env = environment(args)
-    report = {
-        "command": env["command"],
-        "environment": env,
-        "threads": args.threads,
-        "repeats": args.repeats,
+    run_and_write(args, "draft_columns", lambda target, draft, tokenizer: {
         "ranking": ranking(draft.get_output_embeddings(), args.rows, args.repeats),
         "generate": generation(target, draft, tokenizer, args.budgets, args.prompts, args.max_new_tokens),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "draft_columns.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "draft_columns.md").write_text(markdown(report))
-    print(markdown(report))
+    }, markdown)
 
 
 if __name__ == "__main__":

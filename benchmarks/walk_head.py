@@ -113,13 +113,19 @@ def generation(target, draft, tokenizer, budgets: list[int], prompts: int, max_n
     return table
 
 
-def markdown(report: dict) -> str:
-    lines = [
-        "# LM heads over a few rows: F.linear against weight @ rows.T",
+def heading(report: dict, title: str, variants: str) -> list[str]:
+    """A report's markdown title and the line naming its command, machine and that ``variants`` alternate."""
+    return [
+        f"# {title}",
         "",
         f"`{report['command']}` on {report['environment']['machine']['cpu']} ({report['threads']} threads), torch "
-        f"{report['environment']['versions']['torch']}. The two orders alternate.",
+        f"{report['environment']['versions']['torch']}. The two {variants} alternate.",
         "",
+    ]
+
+
+def markdown(report: dict) -> str:
+    lines = heading(report, "LM heads over a few rows: F.linear against weight @ rows.T", "orders") + [
         f"## The heads over a few rows (ms, median of {report['repeats']}; unit-variance random rows)",
         "",
         "| head | rows | F.linear | weight @ rows.T | largest difference |",
@@ -159,28 +165,31 @@ def parse_arguments(description: str, rows: list[int], budgets: list[int], repea
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_arguments(__doc__, [1, 2, 4, 8, 13, 16, 27, 32], [16, 64], 21)
-    args.out = args.out or RESULTS
+def run_and_write(args: argparse.Namespace, name: str, sections, markdown_of) -> None:
+    """Loads the default pair (the draft in float32), runs ``sections(target, draft, tokenizer)`` (a dict of
+    report sections) and writes ``<args.out>/<name>.json`` and ``.md`` (``markdown_of(report)``)."""
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = specexec_hf.load_default_pair(draft_dtype=torch.float32)
     env = environment(args)
-    report = {
-        "command": env["command"],
-        "environment": env,
-        "threads": args.threads,
-        "repeats": args.repeats,
+    report = {"command": env["command"], "environment": env, "threads": args.threads, "repeats": args.repeats,
+              **sections(target, draft, tokenizer)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.out / f"{name}.md").write_text(markdown_of(report))
+    print(markdown_of(report))
+
+
+def main() -> None:
+    args = parse_arguments(__doc__, [1, 2, 4, 8, 13, 16, 27, 32], [16, 64], 21)
+    args.out = args.out or RESULTS
+    run_and_write(args, "walk_head", lambda target, draft, tokenizer: {
         "product": products(
             {"target 49152 x 576": target.get_output_embeddings().weight,
              "draft 8192 x 576": draft.get_output_embeddings().weight},
             args.rows, args.repeats,
         ),
         "generate": generation(target, draft, tokenizer, args.budgets, args.prompts, args.max_new_tokens),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "walk_head.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / "walk_head.md").write_text(markdown(report))
-    print(markdown(report))
+    }, markdown)
 
 
 if __name__ == "__main__":
