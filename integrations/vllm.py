@@ -261,6 +261,28 @@ def default_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torc
     return torch.bfloat16 if native_bfloat16_cpu() else target_dtype
 
 
+def one_thread_hint(device: torch.device, threads: int, cores: int, binding: str | None) -> str | None:
+    """A hint when vLLM's automatic binding left the CPU worker one compute thread on a machine with more cores (it
+    reserves a core for the front end: on 2 cores, half the machine), else ``None``. Trees are compute-bound there: on
+    the 2-core VM both cores gave trees 13-24% more tokens/s (``benchmarks/results/vllm_serving_offload``,
+    ``one_client_two_cores``).
+
+    Args:
+        device: The engine's device.
+        threads: The worker's torch threads.
+        cores: The machine's cores.
+        binding: ``VLLM_CPU_OMP_THREADS_BIND`` (``None``: unset, vLLM's ``auto``).
+    """
+    if device.type != "cpu" or threads != 1 or cores < 2 or binding not in (None, "auto"):
+        return None
+    return (
+        f"vLLM gave this CPU worker one compute thread of the machine's {cores} cores (VLLM_CPU_OMP_THREADS_BIND=auto "
+        "reserves the rest), and SpecExec's tree steps are compute-bound: VLLM_CPU_OMP_THREADS_BIND="
+        f"0-{cores - 1} gives the worker every core (trees 13-24% faster on a 2-core machine; keep the default "
+        "for an unspeculated offloaded server, whose disk reads then lose their core)."
+    )
+
+
 def read_token_ids(path: str) -> torch.Tensor:
     """The token ids listed in a JSON file (a list of non-negative integers).
 
@@ -425,6 +447,11 @@ class SpecExecProposer:
             "SpecExec proposer: draft %s (%s) on %s, %s, up to %d tokens per step.",
             self.settings.draft_model, dtype, self.device, self.settings.specexec, self.num_speculative_tokens,
         )
+        hint = one_thread_hint(
+            self.device, torch.get_num_threads(), os.cpu_count() or 1, os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        )
+        if hint:
+            logger.info(hint)
 
     def _find_runner(self) -> Any:
         """The model runner calling ``load_model``: the only holder of the batch's request ids.

@@ -405,3 +405,15 @@ def test_install_is_idempotent_and_reversible():
     assert CPUAttentionBackendImpl.forward is native_forward
     assert runner._sample.__func__ is _FakeRunner._sample
     vllm_tree.uninstall(runner)  # a second uninstall is a no-op
+
+
+def test_a_one_thread_cpu_worker_on_a_larger_machine_gets_a_binding_hint():
+    from specexec_hf.integrations.vllm import one_thread_hint
+
+    cpu = torch.device("cpu")
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 " in one_thread_hint(cpu, 1, 2, None)
+    assert "0-7" in one_thread_hint(cpu, 1, 8, "auto")
+    assert one_thread_hint(cpu, 2, 2, None) is None  # already every core
+    assert one_thread_hint(cpu, 1, 1, None) is None  # nothing more to give
+    assert one_thread_hint(cpu, 1, 2, "0") is None  # the user chose the binding
+    assert one_thread_hint(torch.device("meta"), 1, 2, None) is None  # not a CPU engine
