@@ -22,7 +22,6 @@ from ..core.products import head_product
 _COMPACT = threading.local()  # .heads: ids of the heads returning compact scores in this thread
 
 
-
 class SubsetLMHead(nn.Module):
     """``hidden -> logits`` over the full vocabulary, computed only for ``token_ids`` (``-inf`` elsewhere).
 
