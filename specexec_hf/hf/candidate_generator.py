@@ -183,7 +183,7 @@ class SpecExecCandidateGenerator:
         search.extend(budget)
         self._grown_ahead = True
         forwards = 0
-        with scored_columns(self.draft_model) if self.takes_scored_columns else nullcontext() as columns:
+        with _scored_columns_for(self.draft_model, [self]) as columns:
             while not done() and (nodes := search.next_nodes()) is not None:
                 (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)])
                 search.add_expansion(nodes, self.expansion(search.pool, nodes, logits, columns))
@@ -381,8 +381,7 @@ def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor
         raise ValueError("grow_trees needs one generator per request, all sharing one draft model.")
     searches = [generator.start_tree(input_ids, max_depth) for generator, input_ids, max_depth in requests]
     calls = 0
-    compact = all(generator.takes_scored_columns for generator in generators)
-    with scored_columns(model) if compact else nullcontext() as columns:
+    with _scored_columns_for(model, generators) as columns:
         while True:
             work = [(i, nodes) for i, search in enumerate(searches) if (nodes := search.next_nodes()) is not None]
             if not work:
@@ -392,6 +391,13 @@ def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor
             for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
                 searches[i].add_expansion(nodes, generators[i].expansion(searches[i].pool, nodes, logits, columns))
     return TreeBatch([search.result() for search in searches], calls)
+
+
+def _scored_columns_for(model: PreTrainedModel, generators: Sequence[SpecExecCandidateGenerator]):
+    """:func:`.scored_columns` of ``model`` where every generator takes them, else full rows (yields ``None``)."""
+    if all(generator.takes_scored_columns for generator in generators):
+        return scored_columns(model)
+    return nullcontext()
 
 
 def _guesses_as_columns(
