@@ -14,9 +14,11 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
    bound (the bytes read from the files per forward over the bound), and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
    the cap leaves above the process's own before loading (ring, activations, page cache) is ``--cache-fraction``
    (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``bf16-f32`` rows stream the same bf16 checkpoint into a float32 model (each layer widened as it
-   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows ask the library to
-   stream an optimum-quanto int4 model from disk and report its answer (today a refusal: quantized weights stream
-   from CPU RAM only).
+   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows build the shape with
+   optimum-quanto qint4 decoder layers over bf16 (torch's packed int4 CPU kernel) one layer at a time, and hand it
+   to ``load_offloaded`` with every weight on disk: the library writes the packed inner tensors to
+   ``--shape-dir`` and streams them (read-ahead ``--prefetch``, 4 for ``auto``: the cap can only be set once the
+   in-memory model is freed).
 3. **end to end**: the default pair, target streamed from disk under the same cap, draft in RAM, greedy on
    held-out prompts: plain ``generate()``, HF assisted generation (its defaults, and constant chains on request)
    and SpecExec at fixed budgets and ``"auto"``; tokens/s, tokens per target forward, every output checked against
@@ -82,7 +84,7 @@ SHAPES = {
 CACHE_FRACTION = 0.45
 DEFAULT_PREFETCH = "auto"  # --prefetch's default, parsed by prefetch_value: the ring sized from the cap
 # --dtypes: the dtype the shapes' forward computes in, their checkpoints being bf16 ("bf16-f32": widened to float32 as
-# each layer lands); int4: optimum-quanto's qint4 decoder layers, asked of the library.
+# each layer lands); int4: optimum-quanto's qint4 decoder layers over bf16, placed on disk by the library.
 DTYPES = {"bf16": torch.bfloat16, "bf16-f32": torch.float32, "int4": None}
 
 
@@ -176,16 +178,19 @@ def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
             "buffered_cold_gbps": buffered["bytes"] / buffered["evicted"] / GB}
 
 
-def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
-    """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures.
+def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float, held_bytes: int = 0) -> dict[str, Any]:
+    """Caps the process at what it uses now, less ``held_bytes``, plus ``fraction`` of the weights; returns the
+    cap's figures.
 
-    Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft) and, end to end,
+    Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft), after an int4
+    target was placed (:func:`int4_curve`: less its ring, which comes out of the room as elsewhere) and, end to end,
     again after the warm-ups ("now" then holds the ring and what the warm-ups left)."""
     if cap is None:
         return {"capped": False}
     gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
     cap.reclaim()  # files earlier sections wrote or read stay charged as page cache: not the process's own memory
-    base = cap.usage()
+    base = cap.usage() - held_bytes
     limit = base + int(fraction * weights_bytes)
     cap.limit(limit)
     return {"capped": True, "limit_bytes": limit, "usage_before_bytes": base, "weights_bytes": weights_bytes,
@@ -211,9 +216,16 @@ def streamed_target(
     it as on a machine with that little memory. ``dtype``: the model's (``None``: the checkpoint's). On exit the model
     is freed and the cap lifted."""
     entry = capped(cap, (checkpoint / "model.safetensors").stat().st_size, fraction)
-    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch, dtype=dtype)
-    try:
+    with released(load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch, dtype=dtype),
+                  cap) as model:
         yield model, entry
+
+
+@contextmanager
+def released(model: torch.nn.Module, cap: MemoryCap | None) -> Iterator[torch.nn.Module]:
+    """``model`` (streamed) for the block; then its streamer closed, the model freed and the cap lifted."""
+    try:
+        yield model
     finally:
         layer_streamer(model).close()
         del model
@@ -231,20 +243,28 @@ def forward_curve(
     weights = checkpoint / "model.safetensors"
     evict(weights)
     with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction, dtype) as (model, entry):
-        streamer = layer_streamer(model)
-        streamed = streamer.read_bytes_per_forward
         stored = transformers.AutoConfig.from_pretrained(checkpoint).dtype  # the model's dtype may differ
         entry.update({"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                      "stored_dtype": str(stored).removeprefix("torch.") if stored else None, "streamed_bytes": streamed,
-                      "ring_bytes_per_forward": streamer.streamed_bytes_per_forward, "ring_bytes": streamer.buffer_bytes,
-                      "prefetch": streamer.prefetch})
-        seconds = {}
-        for tokens in token_counts:
-            # Logits for the last token only, as a SpecExec tree forward computes the LM head for the few nodes its
-            # walk visits (hf.forward.NodeLogits); all 256 tokens' logits would also need 100 MB under the cap.
-            seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
-            print(f"  {label}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s", flush=True)
-        cap_figures(cap, entry)
+                      "stored_dtype": str(stored).removeprefix("torch.") if stored else None})
+        return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
+
+
+def measured_curve(model, entry: dict[str, Any], token_counts: list[int], repeats: int, cap: MemoryCap | None,
+                   bound_gbps: float) -> dict[str, Any]:
+    """``entry`` (the shape's label, dtype and cap figures) completed with the streamed ``model``'s forward seconds
+    against tokens scored, their share of the bound, and the flat region."""
+    streamer = layer_streamer(model)
+    streamed = streamer.read_bytes_per_forward
+    entry.update({"streamed_bytes": streamed, "ring_bytes_per_forward": streamer.streamed_bytes_per_forward,
+                  "ring_bytes": streamer.buffer_bytes, "prefetch": streamer.prefetch})
+    seconds = {}
+    for tokens in token_counts:
+        # Logits for the last token only, as a SpecExec tree forward computes the LM head for the few nodes its
+        # walk visits (hf.forward.NodeLogits); all 256 tokens' logits would also need 100 MB under the cap.
+        seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
+        print(f"  {entry['shape']} {entry['dtype']}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s",
+              flush=True)
+    cap_figures(cap, entry)
     entry["seconds"] = seconds
     entry["share_of_bound"] = {n: streamed / s / GB / bound_gbps for n, s in seconds.items()} if bound_gbps else {}
     one = seconds.get("1")
@@ -254,33 +274,70 @@ def forward_curve(
     return entry
 
 
-def int4_refusal() -> str | None:
-    """Why the stream executor cannot stream an int4 target from disk: the library's answer when asked to put a
-    small optimum-quanto int4 model (decoder layers qint4) wholly on disk, or ``None`` when it streams it."""
-    try:
-        from optimum import quanto
-    except ImportError as error:
-        return f"optimum-quanto is not installed ({error})"
-    model = transformers.LlamaForCausalLM(SHAPES["tiny"].config()).to(torch.bfloat16)
-    quanto.quantize(model, weights=quanto.qint4, include=["model.layers.*"])
-    quanto.freeze(model)
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            streamed = load_offloaded(model, max_memory={"cpu": 0}, offload_folder=folder, executor="stream")
-        except ValueError as error:
-            return str(error)
-        layer_streamer(streamed).close()
-    return None
+def pooled(pool: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``shape`` filled with ``pool``'s values over and over (as :func:`write_random_checkpoint` writes)."""
+    count = math.prod(shape)
+    return pool.repeat(-(-count // pool.numel()))[:count].view(shape).clone()
 
 
-def int4_rows(labels: list[str]) -> list[dict[str, Any]]:
-    """One not-run row per shape with the library's refusal; an error where the library streams int4 from disk
-    (this script would then need an int4 checkpoint writer to measure it)."""
-    reason = int4_refusal()
-    if reason is None:
-        raise RuntimeError("The stream executor now streams int4 (optimum-quanto) weights from disk, but ssd.py "
-                           "writes no int4 checkpoint: add a writer to measure the int4 shapes.")
-    return [{"shape": label, "dtype": "int4", "not_run": reason} for label in labels]
+def int4_model(shape: LlamaShape) -> torch.nn.Module:
+    """``shape`` with random weights (the values :func:`write_random_checkpoint` writes; norms at 1), its decoder
+    layers quantized to optimum-quanto qint4 over bfloat16 (128-wide groups: quanto packs them for torch's int4 CPU
+    kernel) one layer at a time, so that only one 16-bit layer is ever in memory; embedding and head bfloat16."""
+    from optimum import quanto
+
+    config = shape.config()
+    config.torch_dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    pool = random_pool(torch.bfloat16)
+
+    def fill(module: torch.nn.Module) -> None:
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            values = torch.ones(parameter.shape, dtype=torch.bfloat16) if parameter.dim() == 1 else pooled(
+                pool, parameter.shape)
+            setattr(module, name, torch.nn.Parameter(values, requires_grad=False))
+
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        fill(module)
+    if shape.tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was built on the meta device
+    for layer in model.model.layers:
+        for module in layer.modules():
+            fill(module)
+        quanto.quantize(layer, weights=quanto.qint4)
+        quanto.freeze(layer)
+    return model.eval()
+
+
+def int4_prefetch(args) -> int:
+    """The int4 rows' read-ahead: ``--prefetch`` where it is a number; for ``auto``, 4, what the rule chose for the
+    bf16 shapes here (an int4 target is placed in memory before the cap can be set, so "auto" would size its ring
+    by the uncapped machine's memory)."""
+    return args.prefetch if isinstance(args.prefetch, int) else 4
+
+
+def int4_curve(shape: LlamaShape, folder: Path, token_counts: list[int], repeats: int, cap: MemoryCap | None, args,
+               bound_gbps: float) -> dict[str, Any]:
+    """Forward seconds against tokens scored for :func:`int4_model`, placed wholly on disk by ``load_offloaded``
+    (which writes each weight's packed inner tensors to ``folder``) and streamed from there under the cap, which is
+    set once the model's memory is freed: the room above the process's own (less the ring) is ``--cache-fraction``
+    of the bytes on disk, as for the other rows."""
+    model = int4_model(shape)
+    if folder.exists():
+        shutil.rmtree(folder)
+    streamed = load_offloaded(model, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
+                              prefetch=int4_prefetch(args))
+    del model
+    with released(streamed, cap) as streamed:
+        files = sorted(folder.glob("*.dat"))
+        for path in files:
+            evict(path)
+        entry = capped(cap, sum(path.stat().st_size for path in files), args.cache_fraction,
+                       held_bytes=layer_streamer(streamed).buffer_bytes)
+        entry.update({"shape": shape.name, "dtype": "int4", "stored_dtype": "qint4 layers, bfloat16 embedding and head"})
+        return measured_curve(streamed, entry, token_counts, repeats, cap, bound_gbps)
 
 
 def methods(draft, args) -> dict[str, dict]:
@@ -694,9 +751,12 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[tuple[str, Path, torch.dtype | None]] = [(DEFAULT_TARGET, target_cache_dir(), None)]
         shapes = {SHAPES[key].name: (SHAPES[key], args.shape_dir / f"{key}-bf16") for key in args.shapes
                   if "forward" in args.sections and computed}
+        int4_folders = [SHAPES[key] for key in args.shapes if "forward" in args.sections and "int4" in args.dtypes]
         ensure_disk_space(args.shape_dir, args.bound_min_bytes * ("bound" in args.sections) + sum(
             shape.parameter_bytes(torch.bfloat16) for shape, where in shapes.values()
-            if not (where / "model.safetensors").is_file()))
+            if not (where / "model.safetensors").is_file())
+            # one int4 folder at a time (each deleted once measured): packed layers, 16-bit embedding and head
+            + max((shape.parameter_bytes(torch.bfloat16) // 2 for shape in int4_folders), default=0))
         for label, (shape, where) in shapes.items():
             print(f"writing {label} bf16 to {where}", flush=True)
             written.append(where)
@@ -721,10 +781,15 @@ def main(argv: list[str] | None = None) -> int:
                 used_later = any(later == checkpoint for _, later, _ in runs[position + 1 :])
                 if checkpoint in written and not used_later and not args.keep_shapes:
                     shutil.rmtree(checkpoint)
-            if "int4" in args.dtypes:
-                labels = [SHAPES[key].name for key in args.shapes]
-                report["forward"] += run_section(report, "forward int4", args.out,
-                                                 lambda: int4_rows(labels)) or []
+            for key in args.shapes if "int4" in args.dtypes else []:
+                folder = args.shape_dir / f"{key}-int4"
+                written.append(folder)
+                curve = run_section(report, f"forward {SHAPES[key].name} int4", args.out, lambda: int4_curve(
+                    SHAPES[key], folder, args.token_counts, args.repeats, cap, args, bound_gbps))
+                if curve:
+                    report["forward"].append(curve)
+                if not args.keep_shapes and folder.exists():
+                    shutil.rmtree(folder)
         report["goals"] = goals(report)
         if "end_to_end" in args.sections:
             report["end_to_end"] = run_section(report, "end to end", args.out, lambda: end_to_end(args, cap))

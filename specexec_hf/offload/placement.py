@@ -30,7 +30,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..hf.compat import use_sdpa_attention
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
+from .layout import span_bytes
 from .stream import LayerStreamer, layer_streamer
 
 EXECUTORS = ("accelerate", "stream")
@@ -110,12 +111,15 @@ def load_offloaded(
             )
         device = CudaDevice(execution_devices.pop())
         return stream_on_device(path_or_model, device_map, device, offload_folder, dtype, prefetch)
+    disk_units = [name for name, where in device_map.items() if where == DISK]
     if isinstance(path_or_model, PreTrainedModel):
-        model = _dispatch_in_memory_model(path_or_model, device_map, offload_folder, dtype)
-    else:
-        model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
+        model = _dispatch_in_memory_model(path_or_model, device_map, offload_folder, dtype, hooks=executor != "stream")
+        if executor == "stream":
+            LayerStreamer.install(model, disk_units, prefetch, offload_folder if disk_units else None)
+        return model.eval()
+    model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
     if executor == "stream":
-        LayerStreamer.install(model, [name for name, where in device_map.items() if where == DISK], prefetch)
+        LayerStreamer.install(model, disk_units, prefetch)
     return model.eval()
 
 
@@ -259,45 +263,118 @@ def _dispatch_checkpoint(
 
 def _dispatch_in_memory_model(
     model: PreTrainedModel, device_map: dict[str, int | str], offload_folder: str | os.PathLike | None,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | None, hooks: bool = True,
 ) -> PreTrainedModel:
-    """Writes the disk-placed weights to ``offload_folder`` and dispatches ``model`` with accelerate's hooks."""
+    """Writes the disk-placed weights to ``offload_folder`` and places ``model`` under ``device_map``.
+
+    With ``hooks``, accelerate's ``dispatch_model`` attaches its hooks (which load disk-placed weights from the
+    folder). Without (the CPU stream executor, which removes them anyway), the disk-placed parameters are only
+    replaced by meta tensors of the same form, quantized ones (tensor subclasses) included, whose inner tensors the
+    folder holds each under ``<parameter>.<inner path>``; :class:`LayerStreamer` finds them there.
+    """
     from accelerate import dispatch_model
-    from accelerate.utils import extract_submodules_state_dict
 
     if dtype is not None:
         model.to(dtype)
     disk_units = [name for name, where in device_map.items() if where == DISK]
     quantized = next((name for name in disk_units if _holds_tensor_subclass(model.get_submodule(name))), None)
-    if quantized is not None:
+    if quantized is not None and hooks:
         raise ValueError(
             f"max_memory puts {quantized}, which holds quantized (tensor-subclass) weights, on disk; these stream from "
-            "CPU RAM only: raise max_memory['cpu'] so that nothing goes to disk."
+            "disk only with the CPU stream executor (executor='stream', no GPU in max_memory); with accelerate's hooks "
+            "or a GPU, raise max_memory['cpu'] so that nothing goes to disk."
         )
+    if disk_units and offload_folder is None:
+        raise ValueError(
+            f"max_memory leaves {len(disk_units)} module(s) on disk ({disk_units[0]}, ...): pass offload_folder="
+            "<directory> to write their weights to."
+        )
+    if hooks and set(device_map.values()) != {"cpu"}:
+        if disk_units:
+            # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
+            write_offload_folder(offload_folder, _stored_tensors(model, disk_units))
+        return dispatch_model(
+            use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
+        )
+    # What dispatch_model does for a map of CPU- and disk-placed units, less its completeness check's
+    # model.state_dict(): quanto's int4 (TinyGemm) weights on the CPU unpack there through a product with an
+    # identity matrix, minutes for one Llama-3-70B layer (seen on the first GPU run, issue #32).
+    uncovered = _tensors_outside(model, device_map)
+    if uncovered:
+        raise ValueError(
+            f"The device_map places no module holding {uncovered[0]!r} ({len(uncovered)} tensor(s) unplaced): "
+            "build it with offload_device_map(model, max_memory), which places every weight unit."
+        )
+    model = use_sdpa_attention(model).to("cpu")
     if disk_units:
-        if offload_folder is None:
-            raise ValueError(
-                f"max_memory leaves {len(disk_units)} module(s) on disk ({disk_units[0]}, ...): pass offload_folder="
-                "<directory> to write their weights to."
-            )
-        # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
-        write_offload_folder(offload_folder, extract_submodules_state_dict(model.state_dict(), disk_units))
-    if set(device_map.values()) == {"cpu"}:
-        # What dispatch_model does for a one-device map, less its completeness check's model.state_dict(): quanto's
-        # int4 (TinyGemm) weights on the CPU unpack there through a product with an identity matrix, minutes for
-        # one Llama-3-70B layer (seen on the first GPU run, issue #32).
-        uncovered = _tensors_outside(model, device_map)
-        if uncovered:
-            raise ValueError(
-                f"The device_map places no module holding {uncovered[0]!r} ({len(uncovered)} tensor(s) unplaced): "
-                "build it with offload_device_map(model, max_memory), which places every weight unit."
-            )
-        model = use_sdpa_attention(model).to("cpu")
-        model.hf_device_map = dict(device_map)
-        return model
-    return dispatch_model(
-        use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
-    )
+        write_offload_folder(offload_folder, _stored_tensors(model, disk_units))
+        _leave_on_meta(model, disk_units)
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def _stored_tensors(model: nn.Module, units: list[str]) -> dict[str, torch.Tensor]:
+    """What the offload folder holds for ``units``: each parameter by every name it has (as ``state_dict()``
+    names them, without calling it), a tensor subclass as its plain inner tensors (``<name>.<inner path>``), each the
+    span from its first element to its last in memory order, so that its strides can be kept."""
+    stored: dict[str, torch.Tensor] = {}
+    for unit in units:
+        for local_name, parameter in model.get_submodule(unit).named_parameters(remove_duplicate=False):
+            name = f"{unit}.{local_name}"
+            if type(parameter) in (torch.Tensor, nn.Parameter):
+                stored[name] = parameter.detach()
+            else:
+                stored.update(
+                    (f"{name}.{path}", inner.as_strided((span_bytes(inner) // inner.element_size(),), (1,)))
+                    for path, inner in _inner_tensors(parameter.detach())
+                )
+    return stored
+
+
+def _inner_tensors(tensor: torch.Tensor, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain inner tensors of tensor subclass ``tensor`` (``__tensor_flatten__``, nested), by dotted path."""
+    for name in tensor.__tensor_flatten__()[0]:
+        inner = getattr(tensor, name)
+        if type(inner) is torch.Tensor:
+            yield f"{prefix}{name}", inner
+        else:
+            yield from _inner_tensors(inner, f"{prefix}{name}.")
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s form without its data: a plain tensor as a contiguous meta tensor (as the folder stores it), a
+    tensor subclass rebuilt over meta inner tensors with their strides."""
+    if type(tensor) is torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    names, context = tensor.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        part = getattr(tensor, name)
+        inner[name] = (
+            torch.empty_strided(part.shape, part.stride(), dtype=part.dtype, device="meta")
+            if type(part) is torch.Tensor
+            else _on_meta(part)
+        )
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
+
+
+def _leave_on_meta(model: nn.Module, units: list[str]) -> None:
+    """Replaces the parameters of ``units`` by meta tensors of their form, freeing their memory; a parameter tied
+    to a module outside ``units`` stays (the streamer treats it as resident). Tied parameters stay tied."""
+    outside = {
+        id(parameter)
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not any(name.startswith(unit + ".") for unit in units)
+    }
+    replaced: dict[int, nn.Parameter] = {}
+    for unit in units:
+        for module in model.get_submodule(unit).modules():
+            for attribute, parameter in list(module._parameters.items()):
+                if parameter is None or id(parameter) in outside or parameter.is_meta:
+                    continue
+                if id(parameter) not in replaced:
+                    replaced[id(parameter)] = nn.Parameter(_on_meta(parameter.detach()), requires_grad=False)
+                module._parameters[attribute] = replaced[id(parameter)]
 
 
 def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> list[str]:

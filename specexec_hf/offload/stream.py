@@ -6,6 +6,7 @@ hooks) and the executor itself (:class:`LayerStreamer`); where the bytes go in t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from .layout import (
     ring_slots,
     slot_bytes,
     slot_members,
+    span_bytes,
     unit_spans,
 )
 from .memory import memory_headroom
@@ -123,17 +125,25 @@ class LayerStreamer:
 
     @classmethod
     def install(
-        cls, model: PreTrainedModel, unit_names: list[str], prefetch: int | str = 1
+        cls,
+        model: PreTrainedModel,
+        unit_names: list[str],
+        prefetch: int | str = 1,
+        offload_folder: str | os.PathLike | None = None,
     ) -> LayerStreamer | None:
         """Replaces accelerate's hooks on a dispatched model by a streamer for its disk-placed units.
 
         Args:
-            model: A model dispatched by accelerate with ``unit_names`` on disk and everything else on the CPU.
+            model: A model with ``unit_names`` on disk (their parameters on the meta device) and everything else on
+                the CPU.
             unit_names: The disk-placed weight units, in execution order.
             prefetch: Units read ahead of the one computing, or ``"auto"``: the deepest read-ahead whose ring, beyond
                 the smallest one, takes at most :data:`AUTO_RING_SHARE` of the memory the process can still take
                 beside that (:func:`~.memory.memory_headroom`, cgroup limits included; 1 where it cannot be read;
                 see :func:`~.layout.auto_prefetch`).
+            offload_folder: Where :func:`~.placement.write_offload_folder` wrote the disk-placed weights of a model
+                placed without accelerate's hooks; ``None``: the weights are found through the hooks
+                ``dispatch_model`` (or ``from_pretrained``) attached.
 
         Returns:
             The streamer, or ``None`` when no unit needs streaming.
@@ -141,7 +151,8 @@ class LayerStreamer:
         if not unit_names:
             _detach_accelerate_hooks(model)
             return None
-        parameters = unit_parameters(model, unit_names, resident=lambda parameter: not parameter.is_meta)
+        locate = folder_locator(offload_folder) if offload_folder is not None else None
+        parameters = unit_parameters(model, unit_names, resident=lambda parameter: not parameter.is_meta, locate=locate)
         streamed = []
         for name in unit_names:
             if _reads_rows_on_demand(model.get_submodule(name), parameters[name]):
@@ -150,8 +161,9 @@ class LayerStreamer:
                 streamed.append(name)
         if not streamed:
             return None
-        computed = {parameter.meta.dtype for name in streamed for parameter in parameters[name]}
-        if torch.bfloat16 in computed and not native_bfloat16_cpu():
+        if _mostly_plain_bfloat16([parameter for name in streamed for parameter in parameters[name]]) and not (
+            native_bfloat16_cpu()
+        ):
             logger.warning(
                 "This model streams bfloat16 weights to a CPU without native bfloat16 matmuls, where every forward "
                 "over a tree is compute-bound: load it with dtype=torch.float32 (load_offloaded(..., "
@@ -252,6 +264,13 @@ class LayerStreamer:
             slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
 
 
+def _mostly_plain_bfloat16(parameters: list[OffloadedParameter]) -> bool:
+    """Whether most streamed bytes are plain bfloat16 weights (not the scales of quantized ones, whose packed
+    products are fast on any CPU)."""
+    plain = sum(p.stored.nbytes for p in parameters if p.composite is None and p.meta.dtype == torch.bfloat16)
+    return 2 * plain > sum(p.stored.nbytes for p in parameters)
+
+
 def _detach_accelerate_hooks(model: nn.Module) -> None:
     """Removes accelerate's hooks, leaving offloaded weights on the meta device.
 
@@ -283,16 +302,23 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
         ),
         None,
     )
+    if loader is None:
+        return partial(_locate_in, {}, "")
+    return partial(_locate_in, loader.index, loader.save_folder)
 
-    def locate(name: str) -> tuple[str, str | None, dict[str, Any]]:
-        if loader is None:
-            raise KeyError(name)
-        info = loader.index[name]
-        if info.get("safetensors_file") is not None:
-            return info["safetensors_file"], info.get("weight_name", name), info
-        return os.path.join(loader.save_folder, f"{name}.dat"), None, info
 
-    return locate
+def folder_locator(folder: str | os.PathLike) -> Locator:
+    """``locate`` (as :func:`_offloaded_weight_locator`'s) over the ``index.json`` of an offload folder written by
+    :func:`~.placement.write_offload_folder`, for a model placed without accelerate's hooks."""
+    with open(os.path.join(folder, "index.json")) as handle:
+        return partial(_locate_in, json.load(handle), os.fspath(folder))
+
+
+def _locate_in(index: dict[str, dict], folder: str, name: str) -> tuple[str, str | None, dict[str, Any]]:
+    info = index[name]
+    if info.get("safetensors_file") is not None:
+        return info["safetensors_file"], info.get("weight_name", name), info
+    return os.path.join(folder, f"{name}.dat"), None, info
 
 
 def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFile]) -> StoredWeight:
@@ -328,12 +354,15 @@ def unit_parameters(
     unit_names: list[str],
     resident: Callable[[nn.Parameter], bool],
     execution_form: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
+    locate: Locator | None = None,
 ) -> dict[str, list[OffloadedParameter]]:
     """Each streamed unit's parameters with where their weights are stored, in file (or registration) order.
 
     Removes accelerate's hooks, leaving disk-offloaded weights on the meta device, whose stored copies are found
-    through accelerate's offload index (files are opened on first use); other weights are held in memory. A
-    tensor-subclass parameter held in memory (a quantized weight) is taken apart into its plain inner tensors.
+    through ``locate`` (files are opened on first use); other weights are held in memory. A tensor-subclass
+    parameter (a quantized weight) is taken apart into its plain inner tensors: held ones as they are on the
+    execution device, disk-placed ones (a subclass on the meta device) from the files
+    :func:`~.placement.write_offload_folder` wrote for each inner tensor (``<parameter>.<inner path>``).
 
     Args:
         model: The dispatched model.
@@ -341,8 +370,10 @@ def unit_parameters(
         resident: Whether a parameter stays where it is (a weight tied to a resident module): it is not streamed.
         execution_form: A held tensor-subclass weight as it is on the execution device, in host memory (quantized
             formats repack for the device they move to).
+        locate: Where a disk-placed weight's copy is (:func:`folder_locator`); ``None``: accelerate's offload index,
+            read from its hooks.
     """
-    locate = _offloaded_weight_locator(model)
+    locate = locate or _offloaded_weight_locator(model)
     _detach_accelerate_hooks(model)
     files: dict[str, WeightFile] = {}
     aliases: dict[int, list[str]] = {}
@@ -362,13 +393,11 @@ def unit_parameters(
                     "not made of plain tensors that __tensor_flatten__ names (optimum-quanto weights are); keep this "
                     "module on the execution device or quantize with optimum-quanto."
                 )
-            if _is_subclass(parameter):
-                if parameter.is_meta:
-                    raise ValueError(
-                        f"{unit_name}.{local_name} is a {type(parameter).__name__} (a quantized weight) placed on "
-                        "disk; such weights stream from CPU RAM only: raise max_memory['cpu'] so nothing goes to disk."
-                    )
-                unit.extend(_flattened(owner, attribute, execution_form(parameter.detach())))
+            if _is_subclass(parameter) and parameter.is_meta:
+                stored_inner = partial(_stored_inner_tensor, aliases[id(parameter)], locate, files)
+                unit.extend(_flattened(owner, attribute, parameter, stored_inner))
+            elif _is_subclass(parameter):
+                unit.extend(_flattened(owner, attribute, execution_form(parameter.detach()), _held_inner_tensor))
             elif parameter.is_meta:
                 stored = _stored_weight(aliases[id(parameter)], locate, files)
                 if math.prod(stored.shape) != parameter.numel():
@@ -388,26 +417,56 @@ def _is_subclass(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
 
 
-def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor) -> list[OffloadedParameter]:
-    """Entries for the plain inner tensors of tensor subclass ``tensor``, bound to ``owner.attribute`` together."""
+InnerSource = Callable[[str, torch.Tensor], tuple[torch.Tensor, "StoredWeight | HeldWeight"]]
+"""``(inner path, inner tensor) -> (its meta or held tensor, where its bytes are)`` for :func:`_flattened`."""
 
-    def take_apart(part: torch.Tensor) -> Composite:
+
+def _flattened(owner: nn.Module, attribute: str, tensor: torch.Tensor, source: InnerSource) -> list[OffloadedParameter]:
+    """Entries for the plain inner tensors of tensor subclass ``tensor``, bound to ``owner.attribute`` together.
+
+    Args:
+        owner: The module the rebuilt subclass is bound to.
+        attribute: Its attribute name there.
+        tensor: The subclass (held, or on the meta device for a disk-placed one).
+        source: What each plain inner tensor's entry holds, by its dotted path inside ``tensor``.
+    """
+
+    def take_apart(part: torch.Tensor, prefix: str) -> Composite:
         names, context = part.__tensor_flatten__()
         composite = Composite(type(part), context, part.size(), part.stride(), {})
         for name in names:
             inner = getattr(part, name)
             if _is_subclass(inner):
-                composite.parts[name] = take_apart(inner)
+                composite.parts[name] = take_apart(inner, f"{prefix}{name}.")
             else:
-                held = inner.detach().cpu()
-                composite.parts[name] = OffloadedParameter(owner, attribute, held, HeldWeight(held))
+                composite.parts[name] = OffloadedParameter(owner, attribute, *source(f"{prefix}{name}", inner))
         return composite
 
-    top = take_apart(tensor)
+    top = take_apart(tensor, "")
     leaves = list(top.leaves())
     for leaf in leaves:
         leaf.composite = top
     return leaves
+
+
+def _held_inner_tensor(path: str, inner: torch.Tensor) -> tuple[torch.Tensor, HeldWeight]:
+    held = inner.detach().cpu()
+    return held, HeldWeight(held)
+
+
+def _stored_inner_tensor(
+    names: list[str], locate: Locator, files: dict[str, WeightFile], path: str, inner: torch.Tensor
+) -> tuple[torch.Tensor, StoredWeight]:
+    """A disk-placed subclass's inner tensor ``path``: its meta tensor and its copy, the bytes from its first element
+    to its last in memory order (:func:`~.placement.write_offload_folder` writes the span, strides kept)."""
+    stored = _stored_weight([f"{name}.{path}" for name in names], locate, files)
+    if stored.dtype != inner.dtype or stored.nbytes != span_bytes(inner):
+        raise WeightFileError(
+            f"{stored.file.path} stores {names[0]}.{path} as {math.prod(stored.shape)} x {stored.dtype}, but the "
+            f"model expects {span_bytes(inner)} bytes of {inner.dtype}: the offload folder does not belong to this "
+            "model. Offload the model again."
+        )
+    return inner, stored
 
 
 def _reads_rows_on_demand(module: nn.Module, parameters: list[OffloadedParameter]) -> bool:
