@@ -14,11 +14,11 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
    bound (the bytes read from the files per forward over the bound), and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
    the cap leaves above the process's own before loading (ring, activations, page cache) is ``--cache-fraction``
    (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``bf16-f32`` rows stream the same bf16 checkpoint into a float32 model (each layer widened as it
-   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows build the shape with
-   optimum-quanto qint4 decoder layers over bf16 (torch's packed int4 CPU kernel) one layer at a time, and hand it
-   to ``load_offloaded`` with every weight on disk: the library writes the packed inner tensors to
-   ``--shape-dir`` and streams them (read-ahead ``--prefetch``, 4 for ``auto``: the cap can only be set once the
-   in-memory model is freed).
+   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows load the same bf16
+   checkpoint with ``load_offloaded(..., quantize="int4")``: the library quantizes the decoder layers to
+   optimum-quanto qint4 (torch's packed int4 CPU kernel) one at a time as they load, writes them packed to
+   ``--shape-dir`` and streams them, the embedding and head read from the checkpoint (read-ahead ``--prefetch``,
+   4 for ``auto``; the cap is set once the model is placed).
 3. **end to end**: the default pair, target streamed from disk under the same cap, draft in RAM, greedy on
    held-out prompts: plain ``generate()``, HF assisted generation (its defaults, and constant chains on request)
    and SpecExec at fixed budgets and ``"auto"``; tokens/s, tokens per target forward, every output checked against
@@ -64,6 +64,9 @@ import specexec_hf  # noqa: E402
 from specexec_hf.hf.learnt_state import learnt_state_of  # noqa: E402
 from specexec_hf.models import native_bfloat16_cpu, target_cache_dir  # noqa: E402
 from specexec_hf.offload import layer_streamer, load_offloaded  # noqa: E402
+from specexec_hf.offload.direct_io import BLOCK  # noqa: E402
+from specexec_hf.offload.layout import auto_prefetch  # noqa: E402
+from specexec_hf.offload.stream import AUTO_RING_SHARE  # noqa: E402
 from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd"
@@ -178,19 +181,19 @@ def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
             "buffered_cold_gbps": buffered["bytes"] / buffered["evicted"] / GB}
 
 
-def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float, held_bytes: int = 0) -> dict[str, Any]:
-    """Caps the process at what it uses now, less ``held_bytes``, plus ``fraction`` of the weights; returns the
-    cap's figures.
+def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
+    """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures.
 
-    Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft), after an int4
-    target was placed (:func:`int4_curve`: less its ring, which comes out of the room as elsewhere) and, end to end,
-    again after the warm-ups ("now" then holds the ring and what the warm-ups left)."""
+    Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft), once an int4
+    target is placed (:func:`int4_curve`: its ring's pages are touched by the first forward, so the ring still comes
+    out of the room) and, end to end, again after the warm-ups ("now" then holds the ring and what the warm-ups
+    left)."""
     if cap is None:
         return {"capped": False}
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
     cap.reclaim()  # files earlier sections wrote or read stay charged as page cache: not the process's own memory
-    base = cap.usage() - held_bytes
+    base = cap.usage()
     limit = base + int(fraction * weights_bytes)
     cap.limit(limit)
     return {"capped": True, "limit_bytes": limit, "usage_before_bytes": base, "weights_bytes": weights_bytes,
@@ -274,70 +277,39 @@ def measured_curve(model, entry: dict[str, Any], token_counts: list[int], repeat
     return entry
 
 
-def pooled(pool: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A tensor of ``shape`` filled with ``pool``'s values over and over (as :func:`write_random_checkpoint` writes)."""
-    count = math.prod(shape)
-    return pool.repeat(-(-count // pool.numel()))[:count].view(shape).clone()
-
-
-def int4_model(shape: LlamaShape) -> torch.nn.Module:
-    """``shape`` with random weights (the values :func:`write_random_checkpoint` writes; norms at 1), its decoder
-    layers quantized to optimum-quanto qint4 over bfloat16 (128-wide groups: quanto packs them for torch's int4 CPU
-    kernel) one layer at a time, so that only one 16-bit layer is ever in memory; embedding and head bfloat16."""
-    from optimum import quanto
-
-    config = shape.config()
-    config.torch_dtype = torch.bfloat16
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    pool = random_pool(torch.bfloat16)
-
-    def fill(module: torch.nn.Module) -> None:
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            values = torch.ones(parameter.shape, dtype=torch.bfloat16) if parameter.dim() == 1 else pooled(
-                pool, parameter.shape)
-            setattr(module, name, torch.nn.Parameter(values, requires_grad=False))
-
-    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
-        fill(module)
-    if shape.tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was built on the meta device
-    for layer in model.model.layers:
-        for module in layer.modules():
-            fill(module)
-        quanto.quantize(layer, weights=quanto.qint4)
-        quanto.freeze(layer)
-    return model.eval()
-
-
 def int4_prefetch(args) -> int:
-    """The int4 rows' read-ahead: ``--prefetch`` where it is a number; for ``auto``, 4, what the rule chose for the
-    bf16 shapes here (an int4 target is placed in memory before the cap can be set, so "auto" would size its ring
-    by the uncapped machine's memory)."""
+    """The int4 rows' read-ahead: ``--prefetch`` where it is a number; for ``auto``, 4 (an int4 target is placed in
+    memory before the cap can be set, so "auto" would size its ring by the uncapped machine's memory; each row
+    records what "auto" would choose within its room, ``auto_prefetch_in_room``: 4 for the 1.7B shape)."""
     return args.prefetch if isinstance(args.prefetch, int) else 4
 
 
-def int4_curve(shape: LlamaShape, folder: Path, token_counts: list[int], repeats: int, cap: MemoryCap | None, args,
-               bound_gbps: float) -> dict[str, Any]:
-    """Forward seconds against tokens scored for :func:`int4_model`, placed wholly on disk by ``load_offloaded``
-    (which writes each weight's packed inner tensors to ``folder``) and streamed from there under the cap, which is
-    set once the model's memory is freed: the room above the process's own (less the ring) is ``--cache-fraction``
-    of the bytes on disk, as for the other rows."""
-    model = int4_model(shape)
+def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[int], repeats: int,
+               cap: MemoryCap | None, args, bound_gbps: float) -> dict[str, Any]:
+    """Forward seconds against tokens scored for the bf16 ``checkpoint`` loaded with ``quantize="int4"``: the library
+    quantizes its decoder layers to optimum-quanto qint4 one at a time as they load, writes them packed to
+    ``folder``, and streams them from there with the embedding and head read from the checkpoint. The cap is set
+    once the model is placed (the ring's pages are touched by the first forward, so it comes out of the room): the
+    room above the process's own is ``--cache-fraction`` of the bytes the model's weights take on disk, as for the
+    other rows."""
     if folder.exists():
         shutil.rmtree(folder)
-    streamed = load_offloaded(model, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
-                              prefetch=int4_prefetch(args))
-    del model
-    with released(streamed, cap) as streamed:
-        files = sorted(folder.glob("*.dat"))
+    model = load_offloaded(checkpoint, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
+                           prefetch=int4_prefetch(args), quantize="int4")
+    with released(model, cap) as model:
+        files = [checkpoint / "model.safetensors", *sorted(folder.glob("*.dat"))]
         for path in files:
             evict(path)
-        entry = capped(cap, sum(path.stat().st_size for path in files), args.cache_fraction,
-                       held_bytes=layer_streamer(streamed).buffer_bytes)
-        entry.update({"shape": shape.name, "dtype": "int4", "stored_dtype": "qint4 layers, bfloat16 embedding and head"})
-        return measured_curve(streamed, entry, token_counts, repeats, cap, bound_gbps)
+        unquantized = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                          if not name.startswith("model.layers."))  # embedding, norm and head, read from the checkpoint
+        stored = unquantized + sum(path.stat().st_size for path in files[1:])
+        entry = capped(cap, stored, args.cache_fraction)
+        entry.update({"shape": label, "dtype": "int4", "stored_dtype": "qint4 layers, bfloat16 embedding and head",
+                      "stored_bytes": stored,
+                      # what prefetch="auto" would read ahead within this room (a check of int4_prefetch's choice)
+                      "auto_prefetch_in_room": auto_prefetch(layer_streamer(model)._unit_bytes, int(
+                          args.cache_fraction * stored), AUTO_RING_SHARE, BLOCK)})
+        return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
 
 
 def methods(draft, args) -> dict[str, dict]:
@@ -747,16 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specexec_hf.load_default_target()  # converts the GGUF on first use
         computed = [DTYPES[key] for key in ("bf16", "bf16-f32") if key in args.dtypes]  # what the shapes run in
+        quantized = "int4" in args.dtypes  # int4 rows quantize the bf16 checkpoint as it loads
         # Per forward curve: (label, checkpoint, the dtype computed in; None: the checkpoint's).
         runs: list[tuple[str, Path, torch.dtype | None]] = [(DEFAULT_TARGET, target_cache_dir(), None)]
         shapes = {SHAPES[key].name: (SHAPES[key], args.shape_dir / f"{key}-bf16") for key in args.shapes
-                  if "forward" in args.sections and computed}
-        int4_folders = [SHAPES[key] for key in args.shapes if "forward" in args.sections and "int4" in args.dtypes]
+                  if "forward" in args.sections and (computed or quantized)}
         ensure_disk_space(args.shape_dir, args.bound_min_bytes * ("bound" in args.sections) + sum(
             shape.parameter_bytes(torch.bfloat16) for shape, where in shapes.values()
             if not (where / "model.safetensors").is_file())
-            # one int4 folder at a time (each deleted once measured): packed layers, 16-bit embedding and head
-            + max((shape.parameter_bytes(torch.bfloat16) // 2 for shape in int4_folders), default=0))
+            # one int4 folder at a time (each deleted once measured): a quarter of the layers' bf16 bytes and scales
+            + max((shape.parameter_bytes(torch.bfloat16) // 3 for shape, _ in shapes.values() if quantized), default=0))
         for label, (shape, where) in shapes.items():
             print(f"writing {label} bf16 to {where}", flush=True)
             written.append(where)
@@ -778,18 +750,18 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps, dtype))
                 if curve:
                     report["forward"].append(curve)
-                used_later = any(later == checkpoint for _, later, _ in runs[position + 1 :])
+                used_later = quantized or any(later == checkpoint for _, later, _ in runs[position + 1 :])
                 if checkpoint in written and not used_later and not args.keep_shapes:
                     shutil.rmtree(checkpoint)
-            for key in args.shapes if "int4" in args.dtypes else []:
-                folder = args.shape_dir / f"{key}-int4"
+            for label, (shape, checkpoint) in shapes.items() if "int4" in args.dtypes else []:
+                folder = args.shape_dir / f"{checkpoint.name}-int4"
                 written.append(folder)
-                curve = run_section(report, f"forward {SHAPES[key].name} int4", args.out, lambda: int4_curve(
-                    SHAPES[key], folder, args.token_counts, args.repeats, cap, args, bound_gbps))
+                curve = run_section(report, f"forward {label} int4", args.out, lambda: int4_curve(
+                    checkpoint, label, folder, args.token_counts, args.repeats, cap, args, bound_gbps))
                 if curve:
                     report["forward"].append(curve)
-                if not args.keep_shapes and folder.exists():
-                    shutil.rmtree(folder)
+                for path in (folder, checkpoint) if not args.keep_shapes else ():
+                    shutil.rmtree(path, ignore_errors=True)
         report["goals"] = goals(report)
         if "end_to_end" in args.sections:
             report["end_to_end"] = run_section(report, "end to end", args.out, lambda: end_to_end(args, cap))

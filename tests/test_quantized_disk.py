@@ -144,3 +144,57 @@ def test_a_changed_inner_tensor_file_is_named_not_computed_with(change):
             with torch.no_grad():
                 streamed(ids)
         layer_streamer(streamed).close()
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("layers_in_ram", [False, True])  # every layer on disk, or the first two of four in RAM
+def test_a_checkpoint_quantized_as_it_loads_streams_bit_equal_to_quantos_model(form, layers_in_ram):
+    """load_offloaded(path, quantize=...): the layers are quantized one at a time as they load and written packed;
+    the outputs are those of the same checkpoint loaded whole and quantized in memory."""
+    from optimum import quanto
+
+    weights, dtype, kind = FORMS[form]
+    source = quantized_model(form, 7, num_layers=4)  # only for its config; the checkpoint holds 16/32-bit weights
+    cpu_bytes = 1_000_000 * dtype.itemsize // 2 if layers_in_ram else 0  # sized by the unquantized layers
+    torch.manual_seed(7)
+    plain = LlamaForCausalLM(source.config).to(dtype).eval()
+    ids = prompt(7, 6)
+    with tempfile.TemporaryDirectory() as checkpoint, tempfile.TemporaryDirectory() as folder:
+        plain.save_pretrained(checkpoint)
+        reference = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa").eval()
+        quanto.quantize(reference, weights=getattr(quanto, weights), include=["model.layers.*"])
+        quanto.freeze(reference)
+        streamed = load_offloaded(checkpoint, max_memory={"cpu": cpu_bytes}, offload_folder=folder, quantize=form[:4])
+        placement = streamed.hf_device_map
+        layer_places = [placement[f"model.layers.{i}"] for i in range(4)]
+        assert layer_places == (["cpu", "cpu", "disk", "disk"] if layers_in_ram else ["disk"] * 4)
+        for position, layer in enumerate(streamed.model.layers):
+            assert type(layer.mlp.down_proj.weight).__name__ == kind, position  # in RAM and on disk alike
+        on_disk = {name.split(".weight._")[0] for name in os.listdir(folder) if ".weight._" in name}
+        assert on_disk == {f"model.layers.{i}.{p}" for i in range(4) if layer_places[i] == "disk"
+                           for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(streamed(ids).logits, reference(ids).logits)
+        expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
+        got = streamed.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=quantized_model(form, 8),
+                                speculator="specexec", budget=8)
+        layer_streamer(streamed).close()
+    assert got.tolist() == expected.tolist()
+
+
+def test_quantize_is_refused_where_it_cannot_apply_before_loading():
+    model = quantized_model("int8 f32", 0)
+    with tempfile.TemporaryDirectory() as folder:
+        with pytest.raises(ValueError, match=r"quantize='int3' is not one of \['int8', 'int4'\]"):
+            load_offloaded(folder, max_memory={"cpu": 0}, offload_folder=folder, quantize="int3")
+        with pytest.raises(ValueError, match=r"quantize a model in memory with optimum-quanto"):
+            load_offloaded(model, max_memory={"cpu": 0}, offload_folder=folder, quantize="int8")
+        with pytest.raises(ValueError, match=r"pass offload_folder="):
+            load_offloaded(folder, max_memory={"cpu": 0}, quantize="int8")
+        model.config.save_pretrained(folder)
+        with pytest.raises(ValueError, match=r"CPU stream executor only"):
+            load_offloaded(folder, max_memory={"cpu": 0}, offload_folder=folder, executor="accelerate",
+                           quantize="int8")
+        assert os.listdir(folder) == ["config.json"]

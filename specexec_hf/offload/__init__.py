@@ -8,7 +8,8 @@ is the :mod:`.stream` module's)."""
 from .device import CudaDevice, OrderCheckingDevice, OrderingError, StreamDevice
 from .device_stream import DeviceLayerStreamer
 from .direct_io import DirectReader, WeightFileError
-from .placement import load_offloaded, offload_device_map, stream_on_device, weight_units, write_offload_folder
+from .folder import write_offload_folder
+from .placement import load_offloaded, offload_device_map, stream_on_device, weight_units
 from .stream import LayerStreamer, layer_streamer
 
 __all__ = [

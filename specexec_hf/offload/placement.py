@@ -26,11 +26,8 @@ Modules without parameters (rotary embeddings) always stay on the execution devi
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -39,12 +36,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ..hf.compat import use_sdpa_attention
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
-from .layout import span_bytes
+from .folder import leave_on_meta, stored_tensors, write_offload_folder
+from .quantize import check_quantize, quantize_layers
 from .stream import LayerStreamer, layer_streamer
 
 EXECUTORS = ("accelerate", "stream")
 DISK = "disk"
-_PAGE = 4096  # the unit a filesystem allocates, for the free-space check before offloading
 
 
 def load_offloaded(
@@ -54,6 +51,7 @@ def load_offloaded(
     executor: str | None = None,
     dtype: torch.dtype | None = None,
     prefetch: int | str = 1,
+    quantize: str | None = None,
 ) -> PreTrainedModel:
     """Loads a causal LM under a memory budget, modules that do not fit going to disk.
 
@@ -74,6 +72,11 @@ def load_offloaded(
             memory the process can still take beside that (cgroup limits included), which keeps the disk busier and
             reads more of the next forward during the draft's tree growth (with room for every module, each is read
             once and stays loaded).
+        quantize: ``"int4"`` or ``"int8"``: a checkpoint's decoder layers quantized with optimum-quanto as they load,
+            one at a time (:mod:`.quantize`): the disk-placed ones are written packed to ``offload_folder`` and
+            streamed from there, so a checkpoint bigger than RAM never is in memory whole. The CPU stream executor
+            only; the placement still sizes layers by their 16-bit bytes. For int4 keep (or pass) ``dtype`` bfloat16:
+            quanto then packs for torch's int4 CPU kernel. ``None`` (default): the checkpoint's weights as they are.
 
     Returns:
         The model in eval mode, with SDPA attention. For ``"stream"``, :func:`layer_streamer` returns its
@@ -82,7 +85,9 @@ def load_offloaded(
 
     Raises:
         ValueError: An unknown ``executor``, a ``prefetch`` below 1, a model in memory that needs disk space
-            but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU.
+            but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU; ``quantize``
+            unknown, given with a model in memory, without ``offload_folder``, or with another executor or a GPU.
+        ImportError: ``quantize`` without optimum-quanto installed.
         RuntimeError: ``executor="stream"`` with a GPU in ``max_memory`` and no CUDA available to torch.
         OSError: The offload folder has no room for the weights placed on disk (``ENOSPC``), checked before
             writing, and while writing.
@@ -90,11 +95,24 @@ def load_offloaded(
     if executor is not None and executor not in EXECUTORS:
         raise ValueError(f"Unknown executor={executor!r}; choose one of {list(EXECUTORS)} (or None, the default).")
     _check_prefetch(prefetch)
+    check_quantize(quantize)
+    if quantize is not None and isinstance(path_or_model, PreTrainedModel):
+        raise ValueError(
+            "quantize= quantizes a checkpoint as it loads; quantize a model in memory with optimum-quanto "
+            "(quanto.quantize, quanto.freeze) and pass it without quantize=."
+        )
+    if quantize is not None and offload_folder is None:
+        raise ValueError(f"quantize={quantize!r} writes the quantized layers placed on disk: pass offload_folder=.")
     skeleton = _skeleton(path_or_model, dtype)
     device_map = offload_device_map(skeleton, max_memory, dtype)
     execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
     if executor is None:
         executor = "accelerate" if len(execution_devices) > 1 else "stream"
+    if quantize is not None and (executor != "stream" or execution_devices):
+        raise ValueError(
+            f"quantize={quantize!r} runs on the CPU stream executor only: leave executor unset (or 'stream') and "
+            "keep GPUs out of max_memory; for a GPU, quantize the model in memory and load_offloaded it."
+        )
     if executor == "stream" and execution_devices:
         if len(execution_devices) > 1:
             raise ValueError(
@@ -118,7 +136,11 @@ def load_offloaded(
             LayerStreamer.install(model, disk_units, prefetch, offload_folder if disk_units else None)
         return model.eval()
     model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
-    if executor == "stream":
+    if quantize is not None:
+        layers = [name for name in device_map if name in _layer_names(model)]
+        quantize_layers(model, layers, disk_units, quantize, offload_folder)
+        LayerStreamer.install(model, disk_units, prefetch, offload_folder if disk_units else None)
+    elif executor == "stream":
         LayerStreamer.install(model, disk_units, prefetch)
     return model.eval()
 
@@ -229,6 +251,12 @@ def _placement_of(name: str, placement: Mapping[str, int | str]) -> int | str:
     return next(where for key, where in placement.items() if key.startswith(name + "."))
 
 
+def _layer_names(model: nn.Module) -> set[str]:
+    """The modules that are one of the model's ``_no_split_modules`` (its decoder layers)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    return {name for name, module in model.named_modules() if type(module).__name__ in no_split}
+
+
 def _is_cpu_or_disk(where: int | str) -> bool:
     return where in ("cpu", DISK)
 
@@ -292,7 +320,7 @@ def _dispatch_in_memory_model(
     if hooks and set(device_map.values()) != {"cpu"}:
         if disk_units:
             # Written here rather than by dispatch_model, which would reuse a stale index.json left in the folder.
-            write_offload_folder(offload_folder, _stored_tensors(model, disk_units))
+            write_offload_folder(offload_folder, stored_tensors(model, disk_units))
         return dispatch_model(
             use_sdpa_attention(model), device_map=device_map, offload_dir=str(offload_folder) if disk_units else None
         )
@@ -307,74 +335,10 @@ def _dispatch_in_memory_model(
         )
     model = use_sdpa_attention(model).to("cpu")
     if disk_units:
-        write_offload_folder(offload_folder, _stored_tensors(model, disk_units))
-        _leave_on_meta(model, disk_units)
+        write_offload_folder(offload_folder, stored_tensors(model, disk_units))
+        leave_on_meta(model, disk_units)
     model.hf_device_map = dict(device_map)
     return model
-
-
-def _stored_tensors(model: nn.Module, units: list[str]) -> dict[str, torch.Tensor]:
-    """What the offload folder holds for ``units``: each parameter by every name it has (as ``state_dict()``
-    names them, without calling it), a tensor subclass as its plain inner tensors (``<name>.<inner path>``), each the
-    span from its first element to its last in memory order, so that its strides can be kept."""
-    stored: dict[str, torch.Tensor] = {}
-    for unit in units:
-        for local_name, parameter in model.get_submodule(unit).named_parameters(remove_duplicate=False):
-            name = f"{unit}.{local_name}"
-            if type(parameter) in (torch.Tensor, nn.Parameter):
-                stored[name] = parameter.detach()
-            else:
-                stored.update(
-                    (f"{name}.{path}", inner.as_strided((span_bytes(inner) // inner.element_size(),), (1,)))
-                    for path, inner in _inner_tensors(parameter.detach())
-                )
-    return stored
-
-
-def _inner_tensors(tensor: torch.Tensor, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain inner tensors of tensor subclass ``tensor`` (``__tensor_flatten__``, nested), by dotted path."""
-    for name in tensor.__tensor_flatten__()[0]:
-        inner = getattr(tensor, name)
-        if type(inner) is torch.Tensor:
-            yield f"{prefix}{name}", inner
-        else:
-            yield from _inner_tensors(inner, f"{prefix}{name}.")
-
-
-def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s form without its data: a plain tensor as a contiguous meta tensor (as the folder stores it), a
-    tensor subclass rebuilt over meta inner tensors with their strides."""
-    if type(tensor) is torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-    names, context = tensor.__tensor_flatten__()
-    inner = {}
-    for name in names:
-        part = getattr(tensor, name)
-        inner[name] = (
-            torch.empty_strided(part.shape, part.stride(), dtype=part.dtype, device="meta")
-            if type(part) is torch.Tensor
-            else _on_meta(part)
-        )
-    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
-
-
-def _leave_on_meta(model: nn.Module, units: list[str]) -> None:
-    """Replaces the parameters of ``units`` by meta tensors of their form, freeing their memory; a parameter tied
-    to a module outside ``units`` stays (the streamer treats it as resident). Tied parameters stay tied."""
-    outside = {
-        id(parameter)
-        for name, parameter in model.named_parameters(remove_duplicate=False)
-        if not any(name.startswith(unit + ".") for unit in units)
-    }
-    replaced: dict[int, nn.Parameter] = {}
-    for unit in units:
-        for module in model.get_submodule(unit).modules():
-            for attribute, parameter in list(module._parameters.items()):
-                if parameter is None or id(parameter) in outside or parameter.is_meta:
-                    continue
-                if id(parameter) not in replaced:
-                    replaced[id(parameter)] = nn.Parameter(_on_meta(parameter.detach()), requires_grad=False)
-                module._parameters[attribute] = replaced[id(parameter)]
 
 
 def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> list[str]:
@@ -390,62 +354,6 @@ def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> l
             if name not in module._non_persistent_buffers_set
         ]
     return [name for name in names if not any(name == unit or name.startswith(unit + ".") for unit in device_map)]
-
-
-def write_offload_folder(folder: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Writes weights to ``folder`` in accelerate's offload format: one raw ``<name>.dat`` file each, ``index.json``.
-
-    Each file starts at offset 0, so direct reads of it need no realignment. The free space is checked before the
-    first byte is written, and the files are written with plain writes (accelerate maps them, so a disk filling up
-    meanwhile kills the process with ``SIGBUS`` instead of raising an error).
-
-    Args:
-        folder: The offload folder (created if missing). An ``index.json`` already there is extended.
-        state_dict: The weights by name.
-
-    Raises:
-        OSError: ``ENOSPC``, before writing when the folder's filesystem lacks the room, or while writing when it
-            fills up meanwhile; the message names the folder, the bytes needed and the fix.
-    """
-    folder = os.fspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    needed = sum(-(-tensor.nbytes // _PAGE) * _PAGE for tensor in state_dict.values())
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise OSError(errno.ENOSPC, _no_room(folder, needed, free))
-    index_path = os.path.join(folder, "index.json")
-    index = {}
-    if os.path.isfile(index_path):
-        with open(index_path) as handle:
-            index = json.load(handle)
-    try:
-        for name, tensor in state_dict.items():
-            stored = tensor.detach().cpu().contiguous()
-            dtype = str(stored.dtype).removeprefix("torch.")
-            if stored.dtype == torch.bfloat16:  # numpy has no bfloat16: accelerate stores its bits as int16
-                stored = stored.view(torch.int16)
-            _write_tensor_file(os.path.join(folder, f"{name}.dat"), stored.reshape(-1))
-            index[name] = {"dtype": dtype, "shape": list(tensor.shape)}
-        with open(index_path, "w") as handle:
-            json.dump(index, handle, indent=2)
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
-            raise
-        raise OSError(errno.ENOSPC, _no_room(folder, needed, shutil.disk_usage(folder).free)) from error
-
-
-def _no_room(folder: str, needed: int, free: int) -> str:
-    return (
-        f"No space left in the offload folder {folder}: the weights placed on disk need {needed / 2**20:.1f} MiB, "
-        f"the filesystem has {free / 2**20:.1f} MiB free. Free some space, choose an offload_folder on a larger "
-        "disk, or raise max_memory['cpu'] so that less goes to disk."
-    )
-
-
-def _write_tensor_file(path: str, flat: torch.Tensor) -> None:
-    """Writes a contiguous 1-d tensor's bytes to ``path``."""
-    with open(path, "wb") as handle:
-        handle.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def _check_prefetch(prefetch: int | str) -> None:

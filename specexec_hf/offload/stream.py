@@ -141,7 +141,7 @@ class LayerStreamer:
                 the smallest one, takes at most :data:`AUTO_RING_SHARE` of the memory the process can still take
                 beside that (:func:`~.memory.memory_headroom`, cgroup limits included; 1 where it cannot be read;
                 see :func:`~.layout.auto_prefetch`).
-            offload_folder: Where :func:`~.placement.write_offload_folder` wrote the disk-placed weights of a model
+            offload_folder: Where :func:`~.folder.write_offload_folder` wrote the disk-placed weights of a model
                 placed without accelerate's hooks; ``None``: the weights are found through the hooks
                 ``dispatch_model`` (or ``from_pretrained``) attached.
 
@@ -309,7 +309,7 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
 
 def folder_locator(folder: str | os.PathLike) -> Locator:
     """``locate`` (as :func:`_offloaded_weight_locator`'s) over the ``index.json`` of an offload folder written by
-    :func:`~.placement.write_offload_folder`, for a model placed without accelerate's hooks."""
+    :func:`~.folder.write_offload_folder`, for a model placed without accelerate's hooks."""
     with open(os.path.join(folder, "index.json")) as handle:
         return partial(_locate_in, json.load(handle), os.fspath(folder))
 
@@ -362,7 +362,7 @@ def unit_parameters(
     through ``locate`` (files are opened on first use); other weights are held in memory. A tensor-subclass
     parameter (a quantized weight) is taken apart into its plain inner tensors: held ones as they are on the
     execution device, disk-placed ones (a subclass on the meta device) from the files
-    :func:`~.placement.write_offload_folder` wrote for each inner tensor (``<parameter>.<inner path>``).
+    :func:`~.folder.write_offload_folder` wrote for each inner tensor (``<parameter>.<inner path>``).
 
     Args:
         model: The dispatched model.
@@ -458,7 +458,7 @@ def _stored_inner_tensor(
     names: list[str], locate: Locator, files: dict[str, WeightFile], path: str, inner: torch.Tensor
 ) -> tuple[torch.Tensor, StoredWeight]:
     """A disk-placed subclass's inner tensor ``path``: its meta tensor and its copy, the bytes from its first element
-    to its last in memory order (:func:`~.placement.write_offload_folder` writes the span, strides kept)."""
+    to its last in memory order (:func:`~.folder.write_offload_folder` writes the span, strides kept)."""
     stored = _stored_weight([f"{name}.{path}" for name in names], locate, files)
     if stored.dtype != inner.dtype or stored.nbytes != span_bytes(inner):
         raise WeightFileError(
