@@ -280,7 +280,8 @@ def measured_curve(model, entry: dict[str, Any], token_counts: list[int], repeat
 def int4_prefetch(args) -> int:
     """The int4 rows' read-ahead: ``--prefetch`` where it is a number; for ``auto``, 4 (an int4 target is placed in
     memory before the cap can be set, so "auto" would size its ring by the uncapped machine's memory; each row
-    records what "auto" would choose within its room, ``auto_prefetch_in_room``: 4 for the 1.7B shape)."""
+    records what "auto" would choose within its room, ``auto_prefetch_in_room``: 11 for the 1.7B shape, whose
+    1-token forward read at the bound with 4)."""
     return args.prefetch if isinstance(args.prefetch, int) else 4
 
 
@@ -289,9 +290,11 @@ def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[in
     """Forward seconds against tokens scored for the bf16 ``checkpoint`` loaded with ``quantize="int4"``: the library
     quantizes its decoder layers to optimum-quanto qint4 one at a time as they load, writes them packed to
     ``folder``, and streams them from there with the embedding and head read from the checkpoint. The cap is set
-    once the model is placed (the ring's pages are touched by the first forward, so it comes out of the room): the
-    room above the process's own is ``--cache-fraction`` of the bytes the model's weights take on disk, as for the
-    other rows."""
+    once the model is placed (the ring's pages are touched by the first forward, so it comes out of the room), with
+    the room of the checkpoint's bf16 rows (``--cache-fraction`` of the bf16 checkpoint's bytes): on a CPU without
+    native bf16 matmuls the bf16 head's product widens the head to float32 (400 MB for the 1.7B shape), which a
+    room of a fraction of the int4 bytes does not hold (OOM-killed). ``weights_over_limit`` is then the bytes the
+    int4 model's weights take on disk over that cap."""
     if folder.exists():
         shutil.rmtree(folder)
     model = load_offloaded(checkpoint, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
@@ -303,12 +306,15 @@ def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[in
         unquantized = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                           if not name.startswith("model.layers."))  # embedding, norm and head, read from the checkpoint
         stored = unquantized + sum(path.stat().st_size for path in files[1:])
-        entry = capped(cap, stored, args.cache_fraction)
+        entry = capped(cap, files[0].stat().st_size, args.cache_fraction)
+        if entry["capped"]:
+            entry.update(weights_bytes=stored, weights_over_limit=stored / entry["limit_bytes"],
+                         room_from="the bf16 checkpoint's bytes, as its bf16 rows")
         entry.update({"shape": label, "dtype": "int4", "stored_dtype": "qint4 layers, bfloat16 embedding and head",
                       "stored_bytes": stored,
                       # what prefetch="auto" would read ahead within this room (a check of int4_prefetch's choice)
                       "auto_prefetch_in_room": auto_prefetch(layer_streamer(model)._unit_bytes, int(
-                          args.cache_fraction * stored), AUTO_RING_SHARE, BLOCK)})
+                          args.cache_fraction * files[0].stat().st_size), AUTO_RING_SHARE, BLOCK)})
         return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
 
 
@@ -739,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
         if "bound" in args.sections:
             scratch = args.shape_dir / "bound-scratch.bin"
             written.append(scratch)
-            streamed = [checkpoint / "model.safetensors" for checkpoint in dict.fromkeys(c for _, c, _ in runs)]
+            checkpoints = dict.fromkeys([*(c for _, c, _ in runs), *(where for _, where in shapes.values())])
+            streamed = [checkpoint / "model.safetensors" for checkpoint in checkpoints
+                        if (checkpoint / "model.safetensors").is_file()]
             report["bound"] = run_section(report, "bound", args.out, lambda: bound(
                 streamed, args.bound_repeats, write_scratch_file(scratch, args.bound_min_bytes)))
             bound_gbps = (report["bound"] or {}).get("direct_gbps", 0.0)
