@@ -265,8 +265,8 @@ class LayerStreamer:
 
 
 def _mostly_plain_bfloat16(parameters: list[OffloadedParameter]) -> bool:
-    """Whether most streamed bytes are plain bfloat16 weights (not the scales of quantized ones, whose packed
-    products are fast on any CPU)."""
+    """Whether most streamed bytes are plain bfloat16 weights, multiplied as bfloat16 matmuls (not a quantized
+    weight's bfloat16 scales: quanto's packed products compute those)."""
     plain = sum(p.stored.nbytes for p in parameters if p.composite is None and p.meta.dtype == torch.bfloat16)
     return 2 * plain > sum(p.stored.nbytes for p in parameters)
 
@@ -315,6 +315,8 @@ def folder_locator(folder: str | os.PathLike) -> Locator:
 
 
 def _locate_in(index: dict[str, dict], folder: str, name: str) -> tuple[str, str | None, dict[str, Any]]:
+    """``name``'s entry in an offload ``index``: a tensor read in place from a safetensors file, or ``<name>.dat``
+    in ``folder``."""
     info = index[name]
     if info.get("safetensors_file") is not None:
         return info["safetensors_file"], info.get("weight_name", name), info
