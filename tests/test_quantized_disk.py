@@ -155,7 +155,7 @@ def test_a_checkpoint_quantized_as_it_loads_streams_bit_equal_to_quantos_model(f
 
     weights, dtype, kind = FORMS[form]
     source = quantized_model(form, 7, num_layers=4)  # only for its config; the checkpoint holds 16/32-bit weights
-    cpu_bytes = 1_000_000 * dtype.itemsize // 2 if layers_in_ram else 0  # sized by the unquantized layers
+    cpu_bytes = ({"int4": 300_000, "int8": 500_000}[form[:4]] if layers_in_ram else 0)  # sized by packed bytes
     torch.manual_seed(7)
     plain = LlamaForCausalLM(source.config).to(dtype).eval()
     ids = prompt(7, 6)
@@ -198,3 +198,20 @@ def test_quantize_is_refused_where_it_cannot_apply_before_loading():
             load_offloaded(folder, max_memory={"cpu": 0}, offload_folder=folder, executor="accelerate",
                            quantize="int8")
         assert os.listdir(folder) == ["config.json"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_placement_sizes_layers_quantized_as_they_load_by_their_packed_bytes(dtype):
+    """A budget that holds two int4 layers of four holds none of them at 16 or 32 bits."""
+    from specexec_hf.offload import offload_device_map
+    from specexec_hf.offload.quantize import packed_dtypes
+
+    model = LlamaForCausalLM(quantized_model("int4 bf16", 0, num_layers=4).config).to(dtype)
+    layers = [f"model.layers.{i}" for i in range(4)]
+    packed = packed_dtypes(model, layers, "int4")
+    assert set(packed) == {f"{layer}.{name}.weight" for layer in layers for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+        "mlp.down_proj")}
+    assert [offload_device_map(model, {"cpu": 300_000}, dtype, packed)[layer] for layer in layers] == [
+        "cpu", "cpu", "disk", "disk"]
+    assert [offload_device_map(model, {"cpu": 300_000}, dtype)[layer] for layer in layers] == ["disk"] * 4

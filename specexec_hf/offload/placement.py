@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from ..hf.compat import use_sdpa_attention
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
 from .folder import leave_on_meta, stored_tensors, write_offload_folder
-from .quantize import check_quantize, quantize_layers
+from .quantize import check_quantize, packed_dtypes, quantize_layers
 from .stream import LayerStreamer, layer_streamer
 
 EXECUTORS = ("accelerate", "stream")
@@ -75,7 +76,8 @@ def load_offloaded(
         quantize: ``"int4"`` or ``"int8"``: a checkpoint's decoder layers quantized with optimum-quanto as they load,
             one at a time (:mod:`.quantize`): the disk-placed ones are written packed to ``offload_folder`` and
             streamed from there, so a checkpoint bigger than RAM never is in memory whole. The CPU stream executor
-            only; the placement still sizes layers by their 16-bit bytes. For int4 keep (or pass) ``dtype`` bfloat16:
+            only; the placement sizes the quantized weights by their packed bytes (:func:`~.quantize.packed_dtypes`).
+            For int4 keep (or pass) ``dtype`` bfloat16:
             quanto then packs for torch's int4 CPU kernel. ``None`` (default): the checkpoint's weights as they are.
 
     Returns:
@@ -104,7 +106,11 @@ def load_offloaded(
     if quantize is not None and offload_folder is None:
         raise ValueError(f"quantize={quantize!r} writes the quantized layers placed on disk: pass offload_folder=.")
     skeleton = _skeleton(path_or_model, dtype)
-    device_map = offload_device_map(skeleton, max_memory, dtype)
+    packed = None
+    if quantize is not None:
+        packed = packed_dtypes(skeleton, [name for name in weight_units(skeleton) if name in _layer_names(skeleton)],
+                               quantize)
+    device_map = offload_device_map(skeleton, max_memory, dtype, packed)
     execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
     if executor is None:
         executor = "accelerate" if len(execution_devices) > 1 else "stream"
@@ -215,7 +221,10 @@ def _partition_modules(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def offload_device_map(
-    model: nn.Module, max_memory: Mapping[int | str, int | str] | None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    max_memory: Mapping[int | str, int | str] | None,
+    dtype: torch.dtype | None = None,
+    special_dtypes: Mapping[str, Any] | None = None,
 ) -> dict[str, int | str]:
     """accelerate's placement under ``max_memory``, expressed per weight unit (see :func:`weight_units`).
 
@@ -227,6 +236,8 @@ def offload_device_map(
         model: The model, possibly on the meta device.
         max_memory: Per-device budget as accelerate takes it; ``None`` means all available memory.
         dtype: The dtype the weights will have, for their sizes.
+        special_dtypes: Per weight name, another size than ``dtype``'s (accelerate's ``special_dtypes``), e.g.
+            the packed width of weights quantized as they load (:func:`~.quantize.packed_dtypes`).
     """
     from accelerate import infer_auto_device_map
 
@@ -235,6 +246,7 @@ def offload_device_map(
         max_memory=dict(max_memory) if max_memory is not None else None,
         no_split_module_classes=list(getattr(model, "_no_split_modules", None) or ()),
         dtype=dtype,
+        special_dtypes=dict(special_dtypes) if special_dtypes else None,
     )
     main_device = next((where for where in placement.values() if not _is_cpu_or_disk(where)), "cpu")
     units, parameter_free = _partition_modules(model)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +43,27 @@ def check_quantize(quantize: str | None) -> None:
             f"quantize={quantize!r} quantizes with optimum-quanto, which is not installed: "
             "pip install 'specexec-hf[quanto]'."
         ) from error
+
+
+def packed_dtypes(model: nn.Module, layers: list[str], quantize: str) -> dict[str, Any]:
+    """The dtype that accelerate's placement should size each weight of ``layers`` that quanto quantizes (their
+    linear layers' weights) by: its packed width (``int8``: 1 byte; ``int4``: half a byte, accelerate's
+    ``CustomDtype.INT4``). Scales and shifts are not counted: about 6% more for int4's 128-wide groups over bf16.
+
+    Args:
+        model: The model, possibly on the meta device.
+        layers: The decoder layers ``quantize`` applies to.
+        quantize: ``"int8"`` or ``"int4"``.
+    """
+    from accelerate.utils import CustomDtype
+
+    packed = {"int8": torch.int8, "int4": CustomDtype.INT4}[quantize]
+    return {
+        f"{layer}.{name}.weight": packed
+        for layer in layers
+        for name, module in model.get_submodule(layer).named_modules()
+        if isinstance(module, nn.Linear)
+    }
 
 
 def quantize_layers(
