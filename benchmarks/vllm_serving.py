@@ -632,7 +632,7 @@ def measure(
         mean_latency_s=round(statistics.mean(latencies), 3),
         median_latency_s=round(statistics.median(latencies), 3),
         mean_first_token_s=round(statistics.mean(r.first_token_s for r in requests), 3),
-        mean_time_per_output_token_s=round(statistics.mean(r.time_per_output_token_s for r in requests), 4),
+        mean_time_per_output_token_s=round(statistics.mean(r.time_per_output_token_s for r in requests), 6),
         drafts=drafts,
         draft_tokens=counters["draft_tokens"],
         accepted_tokens=counters["accepted_tokens"],

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import specexec_hf
 from specexec_hf.hf import offload_hint
-from specexec_hf.offload import direct_io, layer_streamer, load_offloaded, placement
+from specexec_hf.offload import direct_io, folder, layer_streamer, load_offloaded, placement
 from specexec_hf.offload import stream as stream_module
 from specexec_hf.offload.direct_io import BLOCK, DirectReader, Span, WeightFile, WeightFileError, plan_reads
 
@@ -206,7 +206,7 @@ class _Usage:
 
 
 def test_no_room_for_the_offload_folder_is_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(placement.shutil, "disk_usage", lambda folder: _Usage(10_000))
+    monkeypatch.setattr(folder.shutil, "disk_usage", lambda folder: _Usage(10_000))
     with pytest.raises(OSError, match="No space left in the offload folder .* raise max_memory") as raised:
         load_offloaded(tiny_model("llama"), max_memory={"cpu": 0}, offload_folder=tmp_path)
     assert raised.value.errno == errno.ENOSPC
@@ -214,7 +214,7 @@ def test_no_room_for_the_offload_folder_is_refused_before_writing(tmp_path, monk
 
 
 def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path, monkeypatch):
-    real_write = placement._write_tensor_file
+    real_write = folder._write_tensor_file
     written = []
 
     def write_until_full(path, flat):
@@ -223,7 +223,7 @@ def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path,
         written.append(path)
         real_write(path, flat)
 
-    monkeypatch.setattr(placement, "_write_tensor_file", write_until_full)
+    monkeypatch.setattr(folder, "_write_tensor_file", write_until_full)
     with pytest.raises(OSError, match="No space left in the offload folder") as raised:
         load_offloaded(tiny_model("llama"), max_memory={"cpu": 0}, offload_folder=tmp_path)
     assert raised.value.errno == errno.ENOSPC and len(written) == 3
