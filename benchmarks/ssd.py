@@ -300,13 +300,14 @@ def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[in
     model = load_offloaded(checkpoint, max_memory={"cpu": 0}, offload_folder=folder, executor="stream",
                            prefetch=int4_prefetch(args), quantize="int4")
     with released(model, cap) as model:
-        files = [checkpoint / "model.safetensors", *sorted(folder.glob("*.dat"))]
-        for path in files:
+        weights, packed = checkpoint / "model.safetensors", sorted(folder.glob("*.dat"))
+        for path in (weights, *packed):
             evict(path)
         unquantized = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                           if not name.startswith("model.layers."))  # embedding, norm and head, read from the checkpoint
-        stored = unquantized + sum(path.stat().st_size for path in files[1:])
-        entry = capped(cap, files[0].stat().st_size, args.cache_fraction)
+        stored = unquantized + sum(path.stat().st_size for path in packed)
+        checkpoint_bytes = weights.stat().st_size
+        entry = capped(cap, checkpoint_bytes, args.cache_fraction)
         if entry["capped"]:
             entry.update(weights_bytes=stored, weights_over_limit=stored / entry["limit_bytes"],
                          room_from="the bf16 checkpoint's bytes, as its bf16 rows")
@@ -314,7 +315,7 @@ def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[in
                       "stored_bytes": stored,
                       # what prefetch="auto" would read ahead within this room (a check of int4_prefetch's choice)
                       "auto_prefetch_in_room": auto_prefetch(layer_streamer(model)._unit_bytes, int(
-                          args.cache_fraction * files[0].stat().st_size), AUTO_RING_SHARE, BLOCK)})
+                          args.cache_fraction * checkpoint_bytes), AUTO_RING_SHARE, BLOCK)})
         return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
 
 
@@ -375,8 +376,6 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
         evict(weights)
         if cap is not None:
-            gc.collect()
-            ctypes.CDLL(None).malloc_trim(0)
             entry.update(capped(cap, weights.stat().st_size, args.cache_fraction), ring_sized_under=capped_entry)
         rows = []
         for index, inputs in enumerate(prompts):
@@ -761,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
                 used_later = quantized or any(later == checkpoint for _, later, _ in runs[position + 1 :])
                 if checkpoint in written and not used_later and not args.keep_shapes:
                     shutil.rmtree(checkpoint)
-            for label, (shape, checkpoint) in shapes.items() if "int4" in args.dtypes else []:
+            for label, (shape, checkpoint) in shapes.items() if quantized else []:
                 folder = args.shape_dir / f"{checkpoint.name}-int4"
                 written.append(folder)
                 curve = run_section(report, f"forward {label} int4", args.out, lambda: int4_curve(

@@ -106,10 +106,8 @@ def load_offloaded(
     if quantize is not None and offload_folder is None:
         raise ValueError(f"quantize={quantize!r} writes the quantized layers placed on disk: pass offload_folder=.")
     skeleton = _skeleton(path_or_model, dtype)
-    packed = None
-    if quantize is not None:
-        packed = packed_dtypes(skeleton, [name for name in weight_units(skeleton) if name in _layer_names(skeleton)],
-                               quantize)
+    layers = _decoder_layers(skeleton) if quantize is not None else []
+    packed = packed_dtypes(skeleton, layers, quantize) if quantize is not None else None
     device_map = offload_device_map(skeleton, max_memory, dtype, packed)
     execution_devices = {where for where in device_map.values() if not _is_cpu_or_disk(where)}
     if executor is None:
@@ -136,18 +134,19 @@ def load_offloaded(
         device = CudaDevice(execution_devices.pop())
         return stream_on_device(path_or_model, device_map, device, offload_folder, dtype, prefetch)
     disk_units = [name for name, where in device_map.items() if where == DISK]
+    # Where the stream executor finds the disk-placed weights: the folder this call writes, or (None) accelerate's
+    # hooks on a dispatched checkpoint.
+    written_folder = None
     if isinstance(path_or_model, PreTrainedModel):
         model = _dispatch_in_memory_model(path_or_model, device_map, offload_folder, dtype, hooks=executor != "stream")
-        if executor == "stream":
-            LayerStreamer.install(model, disk_units, prefetch, offload_folder if disk_units else None)
-        return model.eval()
-    model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
-    if quantize is not None:
-        layers = [name for name in device_map if name in _layer_names(model)]
-        quantize_layers(model, layers, disk_units, quantize, offload_folder)
-        LayerStreamer.install(model, disk_units, prefetch, offload_folder if disk_units else None)
-    elif executor == "stream":
-        LayerStreamer.install(model, disk_units, prefetch)
+        written_folder = offload_folder
+    else:
+        model = _dispatch_checkpoint(path_or_model, device_map, offload_folder, dtype)
+        if quantize is not None:
+            quantize_layers(model, layers, disk_units, quantize, offload_folder)
+            written_folder = offload_folder
+    if executor == "stream":
+        LayerStreamer.install(model, disk_units, prefetch, written_folder if disk_units else None)
     return model.eval()
 
 
@@ -263,10 +262,10 @@ def _placement_of(name: str, placement: Mapping[str, int | str]) -> int | str:
     return next(where for key, where in placement.items() if key.startswith(name + "."))
 
 
-def _layer_names(model: nn.Module) -> set[str]:
-    """The modules that are one of the model's ``_no_split_modules`` (its decoder layers)."""
+def _decoder_layers(model: nn.Module) -> list[str]:
+    """The weight units that are one of the model's ``_no_split_modules`` (its decoder layers), in order."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
-    return {name for name, module in model.named_modules() if type(module).__name__ in no_split}
+    return [name for name in weight_units(model) if type(model.get_submodule(name)).__name__ in no_split]
 
 
 def _is_cpu_or_disk(where: int | str) -> bool:

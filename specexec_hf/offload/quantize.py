@@ -23,7 +23,7 @@ from torch import nn
 
 from .direct_io import WeightFile
 from .folder import extend_offload_index, leave_on_meta, stored_tensors, write_offload_folder
-from .stream import _detach_accelerate_hooks, _offloaded_weight_locator, _stored_weight
+from .stream import _detach_accelerate_hooks, _offloaded_weight_locator, _stored_weight, parameter_aliases
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,7 @@ def quantize_layers(
     weights = {"int8": quanto.qint8, "int4": quanto.qint4}[quantize]
     locate = _offloaded_weight_locator(model)
     _detach_accelerate_hooks(model)
-    aliases: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(parameter), []).append(name)
+    aliases = parameter_aliases(model)
     files: dict[str, WeightFile] = {}
     slow = quantize == "int4" and next(model.parameters()).dtype != torch.bfloat16
     if slow:
@@ -112,8 +110,8 @@ def quantize_layers(
     quantized = set(layers)
     elsewhere = {}
     for unit in (name for name in disk_units if name not in quantized):
-        for local_name, parameter in model.get_submodule(unit).named_parameters(remove_duplicate=False):
-            for name in aliases.get(id(parameter), [f"{unit}.{local_name}"]):
+        for _, parameter in model.get_submodule(unit).named_parameters(remove_duplicate=False):
+            for name in aliases[id(parameter)]:
                 try:
                     elsewhere[name] = locate(name)[2]
                 except KeyError:

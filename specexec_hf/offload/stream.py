@@ -378,9 +378,7 @@ def unit_parameters(
     locate = locate or _offloaded_weight_locator(model)
     _detach_accelerate_hooks(model)
     files: dict[str, WeightFile] = {}
-    aliases: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(parameter), []).append(name)
+    aliases = parameter_aliases(model)
     found: dict[str, list[OffloadedParameter]] = {}
     for unit_name in unit_names:
         unit = []
@@ -412,6 +410,14 @@ def unit_parameters(
                 unit.append(OffloadedParameter(owner, attribute, parameter, HeldWeight(parameter.detach())))
         found[unit_name] = sorted(unit, key=lambda p: (p.stored.file.path if p.stored.file else "", p.stored.offset))
     return found
+
+
+def parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter (tied weights have several; an offload index may hold any one), by ``id``."""
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    return aliases
 
 
 def _is_subclass(tensor: torch.Tensor) -> bool:
