@@ -99,6 +99,44 @@ def test_raw_spans_land_in_place_when_the_blocks_around_them_are_free(tmp_path):
     assert torch.equal(buffer[100:5000], data[100:5000]) and torch.equal(buffer[10:60], data[0:50])
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (Linux's /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                begin, end = (int(bound, 16) for bound in first.split("-"))
+                inside = begin <= address < end
+            elif inside and first == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' flags from Linux's /proc")
+@given(huge_pages=st.integers(1, 3), extra=st.integers(0, direct_io.HUGE_PAGE - 1))
+@settings(max_examples=6)
+def test_large_direct_read_buffers_are_advised_onto_huge_pages(huge_pages, extra):
+    """Whole huge pages of a large buffer are in a mapping advised for transparent huge pages (VmFlags ``hg``), so
+    direct reads land in physically contiguous memory; the partial last page is not (no memory beyond the asked)."""
+    nbytes = huge_pages * direct_io.HUGE_PAGE + extra
+    buffer = direct_io.aligned_empty(nbytes)
+    assert buffer.numel() == nbytes and buffer.data_ptr() % direct_io.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(buffer.data_ptr()) and "hg" in _vm_flags(buffer.data_ptr() + nbytes - extra - 1)
+    if extra:
+        assert "hg" not in _vm_flags(buffer.data_ptr() + nbytes - 1)
+    buffer.fill_(7)  # writable, and the mapping lives as long as the tensor
+    assert int(buffer[-1]) == 7 and int(buffer.view(-1)[0]) == 7
+
+
+def test_huge_page_advice_refused_still_gives_a_working_buffer(tmp_path, monkeypatch):
+    monkeypatch.delattr(direct_io.mmap, "MADV_HUGEPAGE")  # a platform without it
+    path, data = random_file(tmp_path, direct_io.HUGE_PAGE + BLOCK)
+    buffer = direct_io.aligned_empty(direct_io.HUGE_PAGE + BLOCK)
+    DirectReader().read(plan_reads([Span(WeightFile(path), 0, data.numel(), buffer)]))
+    assert torch.equal(buffer, data)
+
+
 def test_a_filesystem_without_o_direct_reads_through_the_page_cache_with_one_warning(tmp_path, refuse_o_direct, caplog):
     path, data = random_file(tmp_path, 3 * BLOCK)
     with caplog.at_level(logging.WARNING, logger=direct_io.__name__):
