@@ -249,14 +249,31 @@ def forward_curve(
         stored = transformers.AutoConfig.from_pretrained(checkpoint).dtype  # the model's dtype may differ
         entry.update({"shape": label, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                       "stored_dtype": str(stored).removeprefix("torch.") if stored else None})
-        return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
+        return measured_curve(model, entry, weights, token_counts, repeats, cap, bound_gbps)
 
 
-def measured_curve(model, entry: dict[str, Any], token_counts: list[int], repeats: int, cap: MemoryCap | None,
-                   bound_gbps: float) -> dict[str, Any]:
+def block_device_reads(path: Path) -> Callable[[], tuple[int, int]] | None:
+    """A reader of (reads completed, bytes read) so far by the block device holding ``path``, from its
+    ``/sys/dev/block/MAJOR:MINOR/stat`` (every process's reads of that device); ``None`` where there is none."""
+    device = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+    if not stat.is_file():
+        return None
+
+    def reads() -> tuple[int, int]:
+        fields = stat.read_text().split()
+        return int(fields[0]), int(fields[2]) * 512  # sectors are 512 bytes in this file whatever the device's
+
+    return reads
+
+
+def measured_curve(model, entry: dict[str, Any], stored_on: Path, token_counts: list[int], repeats: int,
+                   cap: MemoryCap | None, bound_gbps: float) -> dict[str, Any]:
     """``entry`` (the shape's label, dtype and cap figures) completed with the streamed ``model``'s forward seconds
-    against tokens scored, their share of the bound, and the flat region."""
+    against tokens scored, their share of the bound, the flat region, and the requests the disk saw per 1-token
+    forward (how the block layer split the reads: their mean size) on the device holding ``stored_on``."""
     streamer = layer_streamer(model)
+    device_reads = block_device_reads(stored_on)
     streamed = streamer.read_bytes_per_forward
     entry.update({"streamed_bytes": streamed, "ring_bytes_per_forward": streamer.streamed_bytes_per_forward,
                   "ring_bytes": streamer.buffer_bytes, "prefetch": streamer.prefetch})
@@ -264,7 +281,12 @@ def measured_curve(model, entry: dict[str, Any], token_counts: list[int], repeat
     for tokens in token_counts:
         # Logits for the last token only, as a SpecExec tree forward computes the LM head for the few nodes its
         # walk visits (hf.forward.NodeLogits); all 256 tokens' logits would also need 100 MB under the cap.
+        before = device_reads() if device_reads and tokens == 1 else None
         seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
+        if before:
+            (requests, nbytes), forwards = map(int.__sub__, device_reads(), before), repeats + 1  # with the warm-up
+            entry["disk_requests_per_forward"] = requests / forwards
+            entry["disk_request_mean_bytes"] = nbytes / max(requests, 1)
         print(f"  {entry['shape']} {entry['dtype']}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s",
               flush=True)
     cap_figures(cap, entry)
@@ -316,7 +338,7 @@ def int4_curve(checkpoint: Path, label: str, folder: Path, token_counts: list[in
                       # what prefetch="auto" would read ahead within this room (a check of int4_prefetch's choice)
                       "auto_prefetch_in_room": auto_prefetch(layer_streamer(model)._unit_bytes, int(
                           args.cache_fraction * checkpoint_bytes), AUTO_RING_SHARE, BLOCK)})
-        return measured_curve(model, entry, token_counts, repeats, cap, bound_gbps)
+        return measured_curve(model, entry, folder, token_counts, repeats, cap, bound_gbps)
 
 
 def methods(draft, args) -> dict[str, dict]:
@@ -518,7 +540,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Forward time against tokens scored, streamed from disk", "",
                   "| shape | dtype | cap (weights / cap), peak, ring | "
                   + " | ".join(f"{n} tok (s, share of bound)" for n in counts)
-                  + " | flat up to (<= 1.3x) | 64 / 1 |", "|---|---|---|" + "---:|" * (len(counts) + 2)]
+                  + " | flat up to (<= 1.3x) | 64 / 1 | disk requests per 1-token forward (mean size) |",
+                  "|---|---|---|" + "---:|" * (len(counts) + 3)]
         for curve in curves:
             cells = []
             for n in counts:
@@ -531,8 +554,10 @@ def markdown(report: dict[str, Any]) -> str:
             ratio = curve["over_one_token"].get("64")
             stored = curve.get("stored_dtype")
             dtype = curve["dtype"] + (f" ({stored} on disk)" if stored and stored != curve["dtype"] else "")
+            requests = (f"{curve['disk_requests_per_forward']:.0f} ({curve['disk_request_mean_bytes'] / 2**20:.2f} MiB)"
+                        if "disk_requests_per_forward" in curve else "")
             lines.append(f"| {curve['shape']} | {dtype} | {cap} | " + " | ".join(cells)
-                         + f" | {curve['flat_tokens']} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+                         + f" | {curve['flat_tokens']} | {'' if ratio is None else f'{ratio:.2f}x'} | {requests} |")
         lines.append("")
     for row in report.get("forward", []):
         if "not_run" in row:

@@ -123,8 +123,8 @@ def test_observed_target_forwards_offset_the_profile_at_their_budget_and_the_nea
     for _ in range(4):
         auto.observe(tree, walk, 0.0, 1, budget=64, target_seconds=profile(17) + 0.3)
     auto.observe(tree, walk, 0.0, 1, budget=16, target_seconds=profile(17) - 0.1)
-    at_64 = 4 * 0.3 / (4 + autobudget.MODEL_WEIGHT_STEPS)  # blended with no offset over the first steps
-    at_16 = -0.1 / (1 + autobudget.MODEL_WEIGHT_STEPS)
+    at_64 = 0.3 * (1 - (1 - autobudget.RECENT_WEIGHT) ** 4)  # moving from no offset, each new forward weighing half
+    at_16 = -0.1 * autobudget.RECENT_WEIGHT
     assert auto.target_offset(64) == pytest.approx(at_64) and auto.target_offset(16) == pytest.approx(at_16)
     assert [auto.target_offset(b) for b in (8, 32)] == pytest.approx([at_16, at_16])  # 32: a tie, the smaller
     assert [auto.target_offset(b) for b in (128, 1024)] == pytest.approx([at_64, at_64])
@@ -194,6 +194,44 @@ def test_a_fixed_cost_per_step_favours_larger_trees(observed):
     for _ in range(10):
         auto.observe(tree, Acceptance(path=[], tokens=[1]), 0.01, 1, budget=without, **observed)
     assert auto.choose() > without
+
+
+def test_a_budget_slowed_by_a_few_early_steps_is_probed_and_taken_back():
+    """Three steps at 64 met a slow disk and the steps moved to 128. Its own steps never correct 64's offset;
+    the probes of the neighbours every PROBE_EVERY steps do, and the choice comes back to 64, the best at the true
+    costs (walks accept 40 tokens of chains: 41 tokens at 64 or more, at forwards of 0.2 s plus 0.4 ms a token)."""
+    profile = ForwardProfile({b + 1: 0.2 + 0.0004 * (b + 1) for b in CANDIDATES})
+    auto = AutoBudget(profile, 0.0, 16, AcceptanceProfile.with_prior(2), CANDIDATES)
+
+    def step(budget: int, slow: float = 0.0) -> None:
+        accepted = min(40, budget)
+        walk = Acceptance(path=list(range(1, accepted + 1)), tokens=[*range(1, accepted + 1), 0])
+        auto.observe(chain(budget), walk, 0.0, 1, budget=budget, target_seconds=profile(budget + 1) + slow)
+
+    for _ in range(4):
+        step(1024)  # walks of every size: 41 tokens at 64 and beyond
+    for _ in range(3):
+        step(64, slow=0.5)
+    for _ in range(10):
+        step(128)
+    assert auto.choose() == 128  # 64 (and everything below it, nearest to it) still pays the slow steps
+    chosen = []
+    for _ in range(96):
+        budget = auto.next_budget()
+        probe = auto._steps % autobudget.PROBE_EVERY == autobudget.PROBE_EVERY - 1
+        assert probe or budget == auto.choose()  # off the probe steps, the best-modelled budget
+        chosen.append(budget)
+        step(budget)
+    assert auto.choose() == 64 and chosen[-8:].count(64) >= 7
+
+
+@given(seconds=st.dictionaries(st.integers(1, 2048), st.floats(0.0, 10.0), min_size=1, max_size=8))
+def test_forward_profiles_never_fall_as_tokens_grow(seconds):
+    """A count timed slower than a larger one takes the larger one's time; monotone timings are kept as they are."""
+    profile = ForwardProfile(seconds)
+    sizes = sorted(seconds)
+    assert all(profile(small) <= profile(large) for small, large in zip(sizes, sizes[1:]))
+    assert all(profile(size) == min(seconds[s] for s in sizes if s >= size) for size in sizes)
 
 
 def test_forward_profile_interpolates_and_extends_linearly():

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from conftest import benchmark_script
 
+from specexec_hf.offload.direct_io import WeightFile, aligned_empty
+
 ssd = benchmark_script("ssd")
 TINY = ssd.LlamaShape("tiny", 64, 128, 2, 4, 2, 256, tied=True)
 
@@ -97,6 +99,21 @@ def test_bound_reads_the_longest_file_and_the_scratch_file_buffered(tmp_path):
     assert result["file"] == str(long) and result["bytes"] == 3 << 20 and result["direct_gbps"] > 0
     assert result["buffered_bytes"] == 2 << 20
     assert ssd.bound([short], 1, scratch)["file"] == str(scratch)  # every streamed file shorter than the scratch
+
+
+def test_block_device_reads_count_a_direct_read_of_a_file_on_that_device(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    reads = ssd.block_device_reads(path)
+    if reads is None:
+        pytest.skip(f"{tmp_path} is on no block device with a /sys/dev/block entry (overlay, tmpfs)")
+    before = reads()
+    file = WeightFile(path)
+    if not file.direct:
+        pytest.skip("no O_DIRECT here")
+    file.read(0, aligned_empty(1 << 20))
+    requests, nbytes = map(int.__sub__, reads(), before)
+    assert requests >= 1 and nbytes >= 1 << 20  # other processes' reads of the device may add to both
 
 
 def test_forward_goals_name_the_largest_weights_over_cap_and_whether_it_stayed_within():

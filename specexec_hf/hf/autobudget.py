@@ -20,8 +20,13 @@ Sequoia's idea applied to dynamic trees. Two measurements model a step at budget
   on fewer walks, often other prompts'); larger budgets keep the model scaled by the largest observed budget's
   ratio.
 
-Before every step the budget with the highest ``tokens / time`` among the candidates is used; after it the
-acceptance walk and the draft time update the running estimates.
+Before every step the budget with the highest ``tokens / time`` among the candidates is used, except that every
+``PROBE_EVERY``-th step runs the better-modelled of its two neighbouring candidates once: estimates move only where
+steps run, so without probes a budget whose first few steps met a slow moment would keep its offset and never run
+again (on the default pair streamed from disk, three early steps at budget 128 left it, and every smaller budget,
+0.13 s slower than they were, and "auto" held budget 256 at 0.72x budget 128's tokens/s). For the same reason the
+target's offsets weigh each new forward by ``RECENT_WEIGHT``: they follow the disk of the moment. After a
+step the acceptance walk and the draft time update the running estimates.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ DEFAULT_CANDIDATES = (8, 16, 32, 64, 128, 256, 512, 1024)
 PROFILE_CONTEXT = 128  # tokens in the cache while timing, a typical prompt-plus-answer length
 PROFILE_FILE_NAME = "forward_profiles.json"
 MODEL_WEIGHT_STEPS = 2.0  # observed tokens at a budget outweigh the model there after this many steps
+RECENT_WEIGHT = 0.5  # the weight of a new target forward in its budget's offset (see the module docstring)
+PROBE_EVERY = 8  # every this many steps, a neighbour of the best budget runs once (see the module docstring)
 
 
 @dataclass
@@ -64,6 +71,15 @@ class ForwardProfile:
     """
 
     seconds: dict[int, float]
+
+    def __post_init__(self) -> None:
+        # A forward over more tokens takes no less time: a count timed slower than a larger one met noise (the disk
+        # or another job slowed that run), so each count takes the least of its own and every larger count's time.
+        # (A cached profile timed on the default pair streamed from disk read 0.38 s at 9 tokens, 0.29 s at 129.)
+        self.seconds = dict(self.seconds)
+        least = math.inf
+        for size in sorted(self.seconds, reverse=True):
+            least = self.seconds[size] = min(self.seconds[size], least)
 
     def __call__(self, tokens: int) -> float:
         """Forward time over ``tokens`` tokens, linear between (and beyond) the measured counts."""
@@ -256,9 +272,9 @@ class AutoBudget:
       the tokens they would have committed at that budget (:func:`tokens_within_budgets`, paired across budgets
       by :meth:`observed_tokens`), blended with the model over its first ``MODEL_WEIGHT_STEPS`` steps; above the
       largest observed budget, the model times the observed-to-modelled ratio there;
-    - time: one target forward over ``B + 1`` tokens plus the running mean of the observed forwards' excess over the
-      profile at that budget (blended with no excess over its first ``MODEL_WEIGHT_STEPS`` steps; a budget not yet
-      run takes the offset of the nearest one that has), the draft forwards at the measured time of one, scaled by
+    - time: one target forward over ``B + 1`` tokens plus the observed forwards' excess over the profile at that
+      budget, as a moving average from no excess in which each new forward weighs ``RECENT_WEIGHT`` (a budget not
+      yet run takes the offset of the nearest one that has), the draft forwards at the measured time of one, scaled by
       the running ratio of observed to modelled draft time (which also covers the search's own host time), plus the
       running mean of the rest of a step (the walk, the caches): a cost every step pays whatever its size, which
       makes larger trees pay more.
@@ -299,8 +315,8 @@ class AutoBudget:
         self._observed_walks = dict.fromkeys(self.candidates, 0)
         # ... and what the same walks would have committed at the next smaller candidate (pairs the estimates).
         self._tokens_below = dict.fromkeys(self.candidates, 0.0)
-        # Per candidate budget: the target forwards' summed excess over the profile, and how many were observed.
-        self._target_excess = dict.fromkeys(self.candidates, 0.0)
+        # Per candidate budget: the target forwards' moving excess over the profile, and how many were observed.
+        self._target_offset = dict.fromkeys(self.candidates, 0.0)
         self._target_forwards = dict.fromkeys(self.candidates, 0)
 
     def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, int]]:
@@ -382,7 +398,7 @@ class AutoBudget:
         if not observed:
             return 0.0
         nearest = min(observed, key=lambda b: (abs(math.log(b / budget)), b))
-        return self._target_excess[nearest] / (self._target_forwards[nearest] + MODEL_WEIGHT_STEPS)
+        return self._target_offset[nearest]
 
     def step_seconds(self, budget: int, draft_forwards: int) -> float:
         """Modelled wall time of a step: the target over the root and ``budget`` tree tokens (its profile and the
@@ -402,6 +418,18 @@ class AutoBudget:
         """The candidate budget with the highest modelled tokens per second (the smaller one on ties)."""
         rates = self.tokens_per_second(max_depth)
         return max(self.candidates, key=lambda b: (rates[b], -b))
+
+    def next_budget(self, max_depth: int | None = None) -> int:
+        """The budget for the next step: :meth:`choose`'s, except on every ``PROBE_EVERY``-th step, which runs the
+        candidate below it and above it in turn (see the module docstring; taking the better-modelled neighbour
+        instead would keep probing the side that did not need it)."""
+        best = self.choose(max_depth)
+        if self._steps % PROBE_EVERY != PROBE_EVERY - 1:
+            return best
+        at = self.candidates.index(best)
+        below, above = self.candidates[max(at - 1, 0) : at], self.candidates[at + 1 : at + 2]
+        sides = (below + above) if (self._steps // PROBE_EVERY) % 2 == 0 else (above + below)
+        return sides[0] if sides else best
 
     def describe(self) -> dict[str, object]:
         """The current model, for reports: acceptance rates, modelled tokens per step and tokens/s per budget."""
@@ -448,8 +476,10 @@ class AutoBudget:
             self._observed_walks[b] += 1
             self._tokens_below[b] += within[below]
         if target_seconds is not None and reached:
-            self._target_excess[reached[-1]] += target_seconds - self.target_seconds(tree.num_nodes)
-            self._target_forwards[reached[-1]] += 1
+            ran = reached[-1]
+            self._target_forwards[ran] += 1
+            excess = target_seconds - self.target_seconds(tree.num_nodes)
+            self._target_offset[ran] += RECENT_WEIGHT * (excess - self._target_offset[ran])
         self._draft_observed += draft_seconds
         self._draft_modelled += self.draft_forward_seconds * draft_forwards
         self._other_seconds += other_seconds

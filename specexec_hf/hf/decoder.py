@@ -273,7 +273,7 @@ class SpecExecDecoder:
         """The draft's tree under the last committed token, no deeper than ``max_length`` leaves room for."""
         depth_left = self._depth_left(sequence)
         if self.auto_budget is not None:
-            self.drafter.config = self.drafter.config.updated(budget=self.auto_budget.choose(depth_left))
+            self.drafter.config = self.drafter.config.updated(budget=self.auto_budget.next_budget(depth_left))
         return self.drafter.grow_tree(self.request.draft_history(sequence[:, self.padding :]), max_depth=depth_left)
 
     def _depth_left(self, sequence: torch.Tensor) -> int:
