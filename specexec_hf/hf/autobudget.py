@@ -21,8 +21,8 @@ Sequoia's idea applied to dynamic trees. Two measurements model a step at budget
   ratio.
 
 Before every step the budget with the highest ``tokens / time`` among the candidates is used, except that every
-``PROBE_EVERY``-th step runs the better-modelled of its two neighbouring candidates once: estimates move only where
-steps run, so without probes a budget whose first few steps met a slow moment would keep its offset and never run
+``PROBE_EVERY``-th step runs the candidate below it, the next probe the one above: estimates move only where steps
+run, so without probes a budget whose first few steps met a slow moment would keep its offset and never run
 again (on the default pair streamed from disk, three early steps at budget 128 left it, and every smaller budget,
 0.13 s slower than they were, and "auto" held budget 256 at 0.72x budget 128's tokens/s). For the same reason the
 target's offsets weigh each new forward by ``RECENT_WEIGHT``: they follow the disk of the moment. After a

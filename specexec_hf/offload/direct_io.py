@@ -64,11 +64,11 @@ class WeightFileError(RuntimeError):
 def aligned_empty(nbytes: int, alignment: int = BLOCK) -> torch.Tensor:
     """An uninitialised ``uint8`` tensor of ``nbytes`` whose first byte is ``alignment``-aligned.
 
-    A buffer of at least one :data:`HUGE_PAGE` is a fresh private anonymous mapping, its whole huge pages marked for
-    transparent huge pages before anything touches them (:func:`_huge_page_buffer`), so that a direct read into it
-    lands in physically contiguous memory.
+    On Linux, a buffer of at least one :data:`HUGE_PAGE` is a fresh private anonymous mapping, its whole huge pages
+    marked for transparent huge pages before anything touches them (:func:`_huge_page_buffer`), so that a direct
+    read into it lands in physically contiguous memory.
     """
-    if nbytes >= HUGE_PAGE:
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         return _huge_page_buffer(nbytes, alignment)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     start = -raw.data_ptr() % alignment
@@ -92,7 +92,7 @@ def _huge_page_buffer(nbytes: int, alignment: int) -> torch.Tensor:
     whole = round_down(nbytes, HUGE_PAGE)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    except (AttributeError, OSError) as error:  # no MADV_HUGEPAGE here, or a kernel built without huge pages
+    except OSError as error:  # a kernel built without transparent huge pages
         logger.debug("Direct-read buffers stay on 4 KiB pages: madvise(MADV_HUGEPAGE) failed (%s).", error)
     return raw[start : start + nbytes]
 
