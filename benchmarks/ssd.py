@@ -284,8 +284,8 @@ def measured_curve(model, entry: dict[str, Any], stored_on: Path, token_counts: 
         before = device_reads() if device_reads and tokens == 1 else None
         seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
         if before:
-            (requests, nbytes), forwards = map(int.__sub__, device_reads(), before), repeats + 1  # with the warm-up
-            entry["disk_requests_per_forward"] = requests / forwards
+            requests, nbytes = (after - earlier for after, earlier in zip(device_reads(), before))
+            entry["disk_requests_per_forward"] = requests / (repeats + 1)  # forward_seconds's warm-up read too
             entry["disk_request_mean_bytes"] = nbytes / max(requests, 1)
         print(f"  {entry['shape']} {entry['dtype']}: forward over {tokens} tokens {seconds[str(tokens)]:.3f} s",
               flush=True)
