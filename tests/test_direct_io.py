@@ -114,6 +114,9 @@ def _vm_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' flags from Linux's /proc")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="a kernel without transparent huge pages"
+)
 @given(huge_pages=st.integers(1, 3), extra=st.integers(0, direct_io.HUGE_PAGE - 1))
 @settings(max_examples=6)
 def test_large_direct_read_buffers_are_advised_onto_huge_pages(huge_pages, extra):
