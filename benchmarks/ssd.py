@@ -85,7 +85,16 @@ SHAPES = {
 # head stays loaded) plus a 257-token tree forward (a third, 179 MB, was not: a 256-token forward with all its
 # logits was OOM-killed).
 CACHE_FRACTION = 0.45
+# End to end, the memory the default target gets all told (ring, activations, page cache) as a share of its weights:
+# what the earlier accounting gave it (a 184 MB ring beside a room of 0.45 of the weights, 0.79 of them), now with
+# the ring inside it, so prefetch="auto" can trade page cache for read-ahead that runs on through the draft's work.
+WEIGHTS_MEMORY = 0.8
 DEFAULT_PREFETCH = "auto"  # --prefetch's default, parsed by prefetch_value: the ring sized from the cap
+# --end-to-end-prefetch's default: half the default target's 30 layers. At this disk's ~2.3 GB/s their 198 MB take
+# about 0.085 s, the draft's time per tree step at budgets 16-64 on the 2-core machine (0.06-0.09 s), so the disk
+# reads the next forward's layers on through the drafting; 14 rather than 9-13 because 30 layers then go round 15
+# buffers evenly (326 MB, against 354 at 12, where four leftover layers get buffers of their own).
+END_TO_END_PREFETCH = 14
 # --dtypes: the dtype the shapes' forward computes in, their checkpoints being bf16 ("bf16-f32": widened to float32 as
 # each layer lands); int4: optimum-quanto's qint4 decoder layers over bf16, placed on disk by the library.
 DTYPES = {"bf16": torch.bfloat16, "bf16-f32": torch.float32, "int4": None}
@@ -181,20 +190,21 @@ def bound(streamed: list[Path], repeats: int, scratch: Path) -> dict[str, Any]:
             "buffered_cold_gbps": buffered["bytes"] / buffered["evicted"] / GB}
 
 
-def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float) -> dict[str, Any]:
-    """Caps the process at what it uses now plus ``fraction`` of the weights; returns the cap's figures.
+def capped(cap: MemoryCap | None, weights_bytes: int, fraction: float, held_bytes: int = 0) -> dict[str, Any]:
+    """Caps the process at what it uses now plus ``fraction`` of the weights, less ``held_bytes`` of that room it
+    already holds; returns the cap's figures.
 
     Called before the target loads (:func:`streamed_target`: "now" is the runtime and the draft), once an int4
     target is placed (:func:`int4_curve`: its ring's pages are touched by the first forward, so the ring still comes
-    out of the room) and, end to end, again after the warm-ups ("now" then holds the ring and what the warm-ups
-    left)."""
+    out of the room) and, end to end, again after the warm-ups ("now" then holds the ring, sized within the room
+    and passed as ``held_bytes``, and what the warm-ups left)."""
     if cap is None:
         return {"capped": False}
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)
     cap.reclaim()  # files earlier sections wrote or read stay charged as page cache: not the process's own memory
     base = cap.usage()
-    limit = base + int(fraction * weights_bytes)
+    limit = base + int(fraction * weights_bytes) - held_bytes
     cap.limit(limit)
     return {"capped": True, "limit_bytes": limit, "usage_before_bytes": base, "weights_bytes": weights_bytes,
             "weights_over_limit": weights_bytes / limit}
@@ -386,19 +396,25 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     evict(weights)
-    with streamed_target(checkpoint, cap, args.prefetch, args.cache_fraction) as (model, capped_entry):
-        entry.update(capped_entry, ring_bytes=layer_streamer(model).buffer_bytes, prefetch=layer_streamer(model).prefetch)
+    with streamed_target(checkpoint, cap, args.end_to_end_prefetch, args.weights_memory) as (model, capped_entry):
+        ring_bytes = layer_streamer(model).buffer_bytes
+        entry.update(capped_entry, ring_bytes=ring_bytes, prefetch=layer_streamer(model).prefetch,
+                     weights_memory=args.weights_memory)
+        if cap is not None and ring_bytes >= args.weights_memory * weights.stat().st_size:
+            raise SystemExit(f"The ring ({ring_bytes / 1e6:.0f} MB) leaves nothing of --weights-memory "
+                             f"{args.weights_memory} for activations: raise it, or pass a smaller --prefetch.")
         # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens) run with the cap
         # lifted, the ring having been sized under it. The measured runs are then capped at the process's usage
-        # (draft, runtime, ring, what the warm-ups left) plus the same room: a tighter cap, at the room left beside
-        # the ring at load, was OOM-killed in a budget-256 step.
+        # (draft, runtime, ring, what the warm-ups left) plus what the ring left of the target's room: so the
+        # ring, the activations and the page cache share --weights-memory of the weights all told.
         if cap is not None:
             cap.limit(None)
         for kwargs in compared.values():
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
         evict(weights)
         if cap is not None:
-            entry.update(capped(cap, weights.stat().st_size, args.cache_fraction), ring_sized_under=capped_entry)
+            entry.update(capped(cap, weights.stat().st_size, args.weights_memory, ring_bytes),
+                         ring_sized_under=capped_entry)
         rows = []
         for index, inputs in enumerate(prompts):
             reference = None
@@ -568,9 +584,10 @@ def markdown(report: dict[str, Any]) -> str:
     if e2e and "methods" in e2e:
         cap = (f"capped at {e2e['limit_bytes'] / 1e6:.0f} MB: the process's own {e2e['usage_before_bytes'] / 1e6:.0f} "
                f"MB after loading and warm-ups (draft, runtime, ring) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
-               f"MB of room for the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights (activations and page "
-               f"cache; the ring, {e2e.get('ring_bytes', 0) / 1e6:.0f} MB at prefetch {e2e.get('prefetch')}, was sized "
-               f"under a cap of the same room above the process before loading); peak {e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
+               f"MB of room (activations and page cache); the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights "
+               f"get {e2e['weights_memory']:.2f} of their size in all, the ring ({e2e.get('ring_bytes', 0) / 1e6:.0f} MB "
+               f"at prefetch {e2e.get('prefetch')}, sized within it before loading) included; peak "
+               f"{e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
                   "| method | tokens/s | median per prompt | tokens per target forward | s per step | draft s per step "
@@ -690,8 +707,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-fraction", type=float, default=CACHE_FRACTION,
                         help="memory above the process's own before loading (ring, activations, page cache), as a "
                              "share of the weights")
+    parser.add_argument("--weights-memory", type=float, default=WEIGHTS_MEMORY,
+                        help="end to end: the memory the target gets above the process's own before loading (the "
+                             "ring, sized within it, activations and page cache together), as a share of its weights")
     parser.add_argument("--prefetch", type=prefetch_value, default=DEFAULT_PREFETCH,
                         help="units read ahead by the stream executor: a positive integer or 'auto'")
+    parser.add_argument("--end-to-end-prefetch", type=prefetch_value, default=END_TO_END_PREFETCH,
+                        help="the end-to-end section's read-ahead (units), or 'auto' (sized within --weights-memory)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--sections", nargs="+", default=["bound", "forward", "end_to_end"],
                         choices=["bound", "forward", "end_to_end"])
@@ -733,7 +755,8 @@ def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | N
     return cap, {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
-        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
+        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch, "weights_memory": args.weights_memory,
+        "end_to_end_prefetch": args.end_to_end_prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
         "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", f"benchmarks/{script}",
                              *(argv if argv is not None else sys.argv[1:])]),

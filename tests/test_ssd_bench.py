@@ -70,7 +70,8 @@ def test_quick_run_measures_every_section_and_deletes_its_shapes(tmp_path):
     """The smoke path: every section, small (the real default pair end to end, so marked slow)."""
     out, shapes = tmp_path / "out", tmp_path / "shapes"
     # Without a cap, prefetch="auto" would hold every weight in the ring and stream nothing.
-    arguments = ["--quick", "--no-cap", "--prefetch", "1", "--threads", "1", "--out", str(out), "--shape-dir", str(shapes)]
+    arguments = ["--quick", "--no-cap", "--prefetch", "1", "--end-to-end-prefetch", "1", "--threads", "1",
+                 "--out", str(out), "--shape-dir", str(shapes)]
     assert ssd.main(arguments) == 0
     report = json.loads((out / "ssd.json").read_text())
     assert {path.name for path in out.iterdir()} == {"ssd.json", "ssd.md", "ssd.png"}
@@ -142,6 +143,8 @@ def test_arguments_quick_defaults_and_prefetch(capsys):
     assert ssd.parse_args(["--prefetch", "auto"]).prefetch == "auto"
     assert ssd.parse_args(["--prefetch", "2"]).prefetch == 2
     assert ssd.parse_args([]).prefetch == ssd.prefetch_value(ssd.DEFAULT_PREFETCH)
+    assert ssd.parse_args(["--end-to-end-prefetch", "auto"]).end_to_end_prefetch == "auto"
+    assert ssd.parse_args([]).end_to_end_prefetch == ssd.END_TO_END_PREFETCH
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             ssd.parse_args(["--prefetch", bad])
