@@ -7,19 +7,26 @@ import copy
 import errno
 import logging
 import os
+import time
+from concurrent.futures import Future
+from functools import partial
+from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import perturbed_copy, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import specexec_hf
+from specexec_hf.core.stats import StepStats
 from specexec_hf.hf import offload_hint
 from specexec_hf.offload import direct_io, folder, layer_streamer, load_offloaded, placement
 from specexec_hf.offload import stream as stream_module
 from specexec_hf.offload.direct_io import BLOCK, DirectReader, Span, WeightFile, WeightFileError, plan_reads
+from specexec_hf.offload.layout import ring_bytes
 
 
 @pytest.fixture
@@ -376,3 +383,77 @@ def test_bfloat16_streamed_to_a_cpu_without_native_bfloat16_gets_the_float32_hin
         load_offloaded(tmp_path, max_memory={"cpu": 0}, dtype=dtype)
     hints = [record.message for record in caplog.records if "dtype=torch.float32" in record.message]
     assert len(hints) == hinted
+
+
+def test_the_streamer_counts_how_long_the_disk_sat_idle_before_a_forward(tmp_path):
+    checkpoint(tmp_path, num_layers=6)
+    model = load_offloaded(tmp_path, max_memory={"cpu": 0}, prefetch=2)
+    streamer = layer_streamer(model)
+    with torch.no_grad():
+        model(ids())
+        assert (streamer.forwards_begun, streamer.read_ahead_idle_seconds) == (1, 0.0)  # nothing was read ahead
+        streamer.wait_idle()
+        time.sleep(0.05)
+        model(ids())
+        assert streamer.forwards_begun == 2 and streamer.read_ahead_idle_seconds >= 0.05
+        # A forward whose read-ahead has not all landed adds no idle time.
+        idle, first = streamer.read_ahead_idle_seconds, streamer._slots[streamer._slot_of[0]]
+        landed, first.filled = first.filled, Future()
+        streamer._note_forward_start()
+        assert streamer.forwards_begun == 3 and streamer.read_ahead_idle_seconds == idle
+        first.filled = landed
+        assert torch.equal(model(ids()).logits, AutoModelForCausalLM.from_pretrained(tmp_path)(ids()).logits)
+    streamer.close()
+
+
+def read_ahead_hint(streamer, idle_per_forward: float, forward_seconds: float, forwards: int = 8) -> str | None:
+    """The hint a ReadAheadWatch gives for ``forwards`` steps over a stand-in streamer, or None."""
+    model = SimpleNamespace(_specexec_layer_streamer=streamer)
+    steps: list = []
+    watch = offload_hint.ReadAheadWatch(model, steps)
+    streamer.forwards_begun += forwards
+    streamer.read_ahead_idle_seconds += forwards * idle_per_forward
+    steps += [StepStats(tree_size=17, accepted=3, draft_forwards=5, draft_seconds=0.06,
+                        target_seconds=forward_seconds)] * forwards
+    with patch.object(offload_hint.logger, "warning") as warning:
+        given = watch.finish()
+    assert given == warning.called
+    return warning.call_args.args[0] if given else None
+
+
+def test_the_read_ahead_hint_names_the_depth_the_idle_disk_could_have_read(monkeypatch):
+    monkeypatch.setattr(offload_hint, "_hinted_read_ahead", False)
+    layers = [14_000_000] * 30  # the default target's decoder layers, about
+    streamer = SimpleNamespace(forwards_begun=8, read_ahead_idle_seconds=0.0, prefetch=4, cycling_units=30,
+                               buffer_bytes=ring_bytes(layers, 4), ring_bytes_at=partial(ring_bytes, layers))
+    assert read_ahead_hint(streamer, 0.04, 0.18) is None  # idle 22% of a forward: not worth a hint
+    assert read_ahead_hint(streamer, 0.06, 0.18, forwards=7) is None  # too few forwards to judge
+    # 26 units read in 0.18 s: 6.9 ms each, so 0.06 s of idle disk would have read 9 more: 13 ahead, whose ring
+    # (14 buffers, plus 2 for the layers left over) is larger than 14 ahead's (15 buffers, 30 layers evenly).
+    hint = read_ahead_hint(streamer, 0.06, 0.18)
+    assert "prefetch=14" in hint and "about 140 MB more memory" in hint and "60 ms" in hint
+    assert read_ahead_hint(streamer, 0.06, 0.18) is None  # once per process
+    monkeypatch.setattr(offload_hint, "_hinted_read_ahead", False)
+    # More than the deepest ring that still streams (14 ahead: from 15 on, the leftover layers fill the ring and
+    # every layer stays) is not hinted: that one is.
+    assert "prefetch=14" in read_ahead_hint(streamer, 1.0, 0.18)
+    monkeypatch.setattr(offload_hint, "_hinted_read_ahead", False)
+    streamer.forwards_begun = 0
+    assert read_ahead_hint(streamer, 0.06, 0.18) is None  # a first call's forwards (the warm-up) are not judged
+    assert offload_hint.ReadAheadWatch(SimpleNamespace(), []).finish() is False  # not streamed: nothing to say
+
+
+def test_generate_on_a_streamed_target_hints_a_deeper_read_ahead_when_the_draft_outlasts_it(tmp_path, monkeypatch,
+                                                                                           caplog):
+    checkpoint(tmp_path, num_layers=6)
+    target = load_offloaded(tmp_path, max_memory={"cpu": 0}, prefetch=1)
+    draft = perturbed_copy(AutoModelForCausalLM.from_pretrained(tmp_path), 0.05, seed=1)
+    draft.register_forward_pre_hook(lambda *_: time.sleep(0.03))  # a draft far slower than the tiny target
+    monkeypatch.setattr(offload_hint, "_hinted_read_ahead", False)
+    with caplog.at_level(logging.WARNING, logger=offload_hint.__name__):
+        for _ in range(2):  # the first call warms up and is not judged
+            target.generate(ids(), attention_mask=torch.ones_like(ids()), max_new_tokens=40, do_sample=False,
+                            assistant_model=draft, speculator="specexec", budget=2)  # 3 tokens a step at most
+    hints = [record.getMessage() for record in caplog.records if "sat idle" in record.getMessage()]
+    assert len(hints) == 1 and "load_offloaded(..., prefetch=" in hints[0]
+    layer_streamer(target).close()

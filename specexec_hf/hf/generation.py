@@ -25,7 +25,7 @@ from .compat import check_masked_tokens_supported, check_same_vocabulary, check_
 from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor, check_draft_ahead
 from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
-from .offload_hint import hint_streaming_executor
+from .offload_hint import ReadAheadWatch, hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
 from .request import Request, check_budget_fits, validate_request
 from .self_draft import resolve_draft
@@ -137,6 +137,7 @@ def generate(
     # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
     # the models see it without (the decoder counts unpadded tokens).
     sequence = torch.cat([request.left_padding, request.input_ids], dim=-1)
+    watch = None
     finished = False
     while not finished:
         outcome = decoder.step(sequence)
@@ -144,6 +145,9 @@ def generate(
         if streamer is not None:
             streamer.put(sequence[0, -committed:].cpu())
         recorder.add_step(outcome, committed)
+        if watch is None:  # from the second step on: the first one's forwards include the prompt's
+            watch = ReadAheadWatch(model, recorder.stats.steps)
+    watch.finish()
     if streamer is not None:
         streamer.end()
     return recorder.output(sequence, decoder.cache)

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -40,6 +41,7 @@ from .layout import (
     auto_prefetch,
     bind_views,
     plan_runs,
+    ring_bytes,
     ring_slots,
     slot_bytes,
     slot_members,
@@ -115,9 +117,16 @@ class LayerStreamer:
         self._direct_reader = reader or DirectReader()
         self._closed = False
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
+        self.forwards_begun = 0  # forwards that reached their first unit
+        # Seconds between the landing of the last unit read ahead for a forward and that forward's start, summed
+        # over forwards whose read-ahead had all landed: time the disk sat idle that deeper read-ahead would use.
+        self.read_ahead_idle_seconds = 0.0
+        # Unit position -> its latest fill and when it landed (perf_counter).
+        self._landed_at: dict[int, tuple[Future, float]] = {}
         shared = slot_members(slot_of)
         # A unit alone in its buffer is read once and stays: read-ahead counts only the units that cycle.
         self._stays_loaded = [len(shared[slot]) == 1 for slot in slot_of]
+        self._cycling = [position for position, stays in enumerate(self._stays_loaded) if not stays]
         for position, (module, _) in enumerate(units):
             module.register_forward_pre_hook(partial(self._before_unit, position))
             if self._stays_loaded[position]:
@@ -192,6 +201,15 @@ class LayerStreamer:
         return self._prefetch
 
     @property
+    def cycling_units(self) -> int:
+        """Units read on every forward (the others stay loaded)."""
+        return len(self._cycling)
+
+    def ring_bytes_at(self, prefetch: int) -> int:
+        """The bytes this streamer's ring would take reading ``prefetch`` units ahead (:func:`~.layout.ring_bytes`)."""
+        return ring_bytes(self._unit_bytes, prefetch, BLOCK)
+
+    @property
     def buffer_bytes(self) -> int:
         """Bytes held by the ring buffers: all the memory the streamer uses for weights, fixed at install."""
         return sum(slot.buffer.numel() for slot in self._slots)
@@ -225,6 +243,8 @@ class LayerStreamer:
         self._direct_reader.close()
 
     def _before_unit(self, position: int, module: nn.Module, args: tuple) -> None:
+        if position == 0:
+            self._note_forward_start()
         current = self._request(position)
         try:
             self._await(current)  # re-raises a failed read here, in the forward that needs it
@@ -247,8 +267,27 @@ class LayerStreamer:
                 raise RuntimeError("The layer streamer was closed (shutdown): it cannot read weights any more.")
             slot.position = position
             slot.filled = self._fill(position, slot)
+            slot.filled.add_done_callback(partial(self._landed, position))
             self.reads_requested += 1
         return slot
+
+    def _landed(self, position: int, fill: Future) -> None:
+        self._landed_at[position] = (fill, time.perf_counter())
+
+    def _note_forward_start(self) -> None:
+        """Counts a forward; where every unit read ahead for it had landed, adds how long before it began the last
+        one did to :attr:`read_ahead_idle_seconds`."""
+        self.forwards_begun += 1
+        ahead = self._cycling[: self._prefetch]
+        slots = [self._slots[self._slot_of[position]] for position in ahead]
+        if ahead and all(slot.position == position and slot.filled.done() for position, slot in zip(ahead, slots)):
+            now = time.perf_counter()
+            # A fill whose callback has not run yet landed just now.
+            landed = [
+                entry[1] if (entry := self._landed_at.get(position)) and entry[0] is slot.filled else now
+                for position, slot in zip(ahead, slots)
+            ]
+            self.read_ahead_idle_seconds += now - max(landed)
 
     def _fill(self, position: int, slot: RingSlot) -> Future:
         """Starts filling ``slot`` with unit ``position``'s weights."""
