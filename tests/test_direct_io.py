@@ -440,6 +440,8 @@ def test_the_read_ahead_hint_names_the_depth_the_idle_disk_could_have_read(monke
     monkeypatch.setattr(offload_hint, "_hinted_read_ahead", False)
     streamer.forwards_begun = 0
     assert read_ahead_hint(streamer, 0.06, 0.18) is None  # a first call's forwards (the warm-up) are not judged
+    streamer.forwards_begun, streamer.cycling_units = 8, 0
+    assert read_ahead_hint(streamer, 0.06, 0.18) is None  # every unit stays loaded: nothing to read ahead
     assert offload_hint.ReadAheadWatch(SimpleNamespace(), []).finish() is False  # not streamed: nothing to say
 
 

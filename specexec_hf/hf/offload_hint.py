@@ -89,6 +89,8 @@ class ReadAheadWatch:
         # The streamer's first forwards are not judged: a first call's draft is slowed by lazy initialisations.
         if self._forwards < MIN_WATCHED_FORWARDS or forwards < MIN_WATCHED_FORWARDS or not steps:
             return False
+        if streamer.cycling_units <= streamer.prefetch:  # every unit stays loaded: nothing is read ahead
+            return False
         idle = (streamer.read_ahead_idle_seconds - self._idle) / forwards
         forward = sum(step.target_seconds for step in steps) / len(steps)
         if idle < IDLE_SHARE * forward:
