@@ -402,7 +402,8 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
                      weights_memory=args.weights_memory)
         if cap is not None and ring_bytes >= args.weights_memory * weights.stat().st_size:
             raise SystemExit(f"The ring ({ring_bytes / 1e6:.0f} MB) leaves nothing of --weights-memory "
-                             f"{args.weights_memory} for activations: raise it, or pass a smaller --prefetch.")
+                             f"{args.weights_memory} for activations: raise it, or pass a smaller "
+                             "--end-to-end-prefetch.")
         # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens) run with the cap
         # lifted, the ring having been sized under it. The measured runs are then capped at the process's usage
         # (draft, runtime, ring, what the warm-ups left) plus what the ring left of the target's room: so the
@@ -585,8 +586,9 @@ def markdown(report: dict[str, Any]) -> str:
         cap = (f"capped at {e2e['limit_bytes'] / 1e6:.0f} MB: the process's own {e2e['usage_before_bytes'] / 1e6:.0f} "
                f"MB after loading and warm-ups (draft, runtime, ring) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
                f"MB of room (activations and page cache); the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights "
-               f"get {e2e['weights_memory']:.2f} of their size in all, the ring ({e2e.get('ring_bytes', 0) / 1e6:.0f} MB "
-               f"at prefetch {e2e.get('prefetch')}, sized within it before loading) included; peak "
+               f"get {e2e['weights_memory']:.2f} of their size in all, the ring "
+               f"({e2e.get('ring_bytes', 0) / 1e6:.0f} MB at prefetch {e2e.get('prefetch')}, sized within it before "
+               "loading) included; peak "
                f"{e2e.get('peak_bytes', 0) / 1e6:.0f} MB" if e2e.get("capped") else "no cap")
         lines += ["## End to end: default pair, target streamed from disk, greedy", "",
                   f"{e2e['prompts']} held-out prompts x {e2e['max_new_tokens']} new tokens; {cap}.", "",
@@ -755,8 +757,7 @@ def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | N
     return cap, {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
-        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch, "weights_memory": args.weights_memory,
-        "end_to_end_prefetch": args.end_to_end_prefetch,
+        "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
         "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", f"benchmarks/{script}",
                              *(argv if argv is not None else sys.argv[1:])]),

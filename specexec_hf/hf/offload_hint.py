@@ -100,7 +100,8 @@ class ReadAheadWatch:
         ring = streamer.ring_bytes_at
         # Depths whose ring still streams: at cycling_units - 1, or wherever leftover units fill it, every unit stays.
         everything = ring(streamer.cycling_units - 1)
-        streaming = [depth for depth in range(streamer.prefetch + 1, streamer.cycling_units) if ring(depth) < everything]
+        deeper_depths = range(streamer.prefetch + 1, streamer.cycling_units)
+        streaming = [depth for depth in deeper_depths if ring(depth) < everything]
         if not streaming:
             return False
         reaching = [depth for depth in streaming if depth >= needed]
