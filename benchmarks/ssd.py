@@ -396,11 +396,12 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     evict(weights)
+    weights_bytes = weights.stat().st_size
     with streamed_target(checkpoint, cap, args.end_to_end_prefetch, args.weights_memory) as (model, capped_entry):
         ring_bytes = layer_streamer(model).buffer_bytes
         entry.update(capped_entry, ring_bytes=ring_bytes, prefetch=layer_streamer(model).prefetch,
                      weights_memory=args.weights_memory)
-        if cap is not None and ring_bytes >= args.weights_memory * weights.stat().st_size:
+        if cap is not None and ring_bytes >= args.weights_memory * weights_bytes:
             raise SystemExit(f"The ring ({ring_bytes / 1e6:.0f} MB) leaves nothing of --weights-memory "
                              f"{args.weights_memory} for activations: raise it, or pass a smaller "
                              "--end-to-end-prefetch.")
@@ -414,7 +415,7 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
             model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
         evict(weights)
         if cap is not None:
-            entry.update(capped(cap, weights.stat().st_size, args.weights_memory, ring_bytes),
+            entry.update(capped(cap, weights_bytes, args.weights_memory, ring_bytes),
                          ring_sized_under=capped_entry)
         rows = []
         for index, inputs in enumerate(prompts):

@@ -97,22 +97,20 @@ class ReadAheadWatch:
             return False
         per_unit = forward / (streamer.cycling_units - streamer.prefetch)
         needed = streamer.prefetch + math.ceil(idle / per_unit)
-        ring = streamer.ring_bytes_at
+        ring = {depth: streamer.ring_bytes_at(depth) for depth in range(streamer.prefetch + 1, streamer.cycling_units)}
         # Depths whose ring still streams: at cycling_units - 1, or wherever leftover units fill it, every unit stays.
-        everything = ring(streamer.cycling_units - 1)
-        deeper_depths = range(streamer.prefetch + 1, streamer.cycling_units)
-        streaming = [depth for depth in deeper_depths if ring(depth) < everything]
+        streaming = [depth for depth, size in ring.items() if size < ring[streamer.cycling_units - 1]] if ring else []
         if not streaming:
             return False
         reaching = [depth for depth in streaming if depth >= needed]
-        deeper = min(reaching, key=lambda depth: (ring(depth), depth)) if reaching else max(streaming)
+        deeper = min(reaching, key=lambda depth: (ring[depth], depth)) if reaching else max(streaming)
         _hinted_read_ahead = True
         logger.warning(
             f"The disk sat idle {1000 * idle:.0f} ms before each target forward on average ({forwards} forwards): the "
             f"{streamer.prefetch} units it reads ahead had landed while the draft was still growing the tree. "
             f"prefetch={deeper} (load_offloaded(..., prefetch={deeper}) or specexec_hf.stream(model, "
             f"prefetch={deeper})) would keep it reading through the drafting, for about "
-            f"{(streamer.ring_bytes_at(deeper) - streamer.buffer_bytes) / 1e6:.0f} MB more memory "
+            f"{(ring[deeper] - streamer.buffer_bytes) / 1e6:.0f} MB more memory "
             "(docs/offloading.md, 'What hides under the weight stream')."
         )
         return True

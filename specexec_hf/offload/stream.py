@@ -221,7 +221,7 @@ class LayerStreamer:
         Units that have a buffer to themselves (all of them when ``prefetch + 1 >= len(unit_names)``, else the
         last few, see :func:`ring_slots`) stay loaded and are read once only.
         """
-        return sum(size for size, stays in zip(self._unit_bytes, self._stays_loaded) if not stays)
+        return sum(self._unit_bytes[position] for position in self._cycling)
 
     @property
     def read_bytes_per_forward(self) -> int:
