@@ -325,12 +325,15 @@ def quantize_layers(model: torch.nn.Module, weights: str) -> None:
     """Quantizes the decoder layers' linear weights in place with optimum-quanto (``"int8"`` or ``"int4"``); the
     embedding, norms and head keep their dtype, as in the common 4-bit checkpoints. Packed weights unpack on the
     GPU with quanto's portable kernel (``specexec_hf.patches.quanto_unpack``), not its CUDA extension, which quanto
-    would otherwise compile inside the first timed forward."""
+    would otherwise compile inside the first timed forward; int4 weights packed here for the CPU leave it for the GPU
+    by their learnt layout (``specexec_hf.patches.quanto_tinygemm_cpu``), not through a product over an identity
+    matrix on the CPU, which kept the Llama-3-70B int4 section past its limit on the H200 (run 3)."""
     from optimum import quanto
 
-    from specexec_hf.patches import quanto_unpack
+    from specexec_hf.patches import quanto_tinygemm_cpu, quanto_unpack
 
     quanto_unpack.apply()
+    quanto_tinygemm_cpu.apply()
     quanto.quantize(model, weights={"int8": quanto.qint8, "int4": quanto.qint4}[weights], include=["model.layers.*"])
     quanto.freeze(model)
 
@@ -831,9 +834,11 @@ def timed_generate(model, inputs: dict, max_new_tokens: int, device: torch.devic
         seconds = time.perf_counter() - started
     row = {"tokens": tokens, "seconds": seconds}
     if stats is not None:
-        row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards)
+        row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards,
+                   target_seconds=stats.target_seconds, draft_seconds=stats.draft_seconds)
     else:
-        row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft else 0)
+        row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft else 0,
+                   target_seconds=target_meter.seconds, draft_seconds=draft_meter.seconds if draft else 0.0)
     return row
 
 
@@ -887,6 +892,10 @@ def end_to_end(
                 "tokens_per_second": new_tokens / sum(row["seconds"] for row in rows),
                 "tokens_per_target_forward": new_tokens / target_forwards,
                 "draft_forwards_per_target_forward": sum(row["draft_forwards"] for row in rows) / target_forwards,
+                # Where the wall time went (host clocks around the forwards: a GPU's queued work lands where the
+                # host next waits): the stream executor's HF assisted and small-budget rows ran 2-5x slower than its
+                # budget-2048 row on the H200, in runs 2 and 3 alike, with the same forwards.
+                "seconds": {key: sum(row[key] for row in rows) for key in ("seconds", "target_seconds", "draft_seconds")},
                 "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
             }
             divergences = [first_divergence(reference, inputs, want, row["tokens"], device)
@@ -1281,15 +1290,19 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## End to end: {e2e['pair']}, target layers offloaded, {e2e['prompts']} prompt(s) x "
                   f"{e2e['max_new_tokens']} new tokens, greedy", "",
                   "| executor | method | tokens/s | tokens per target forward | draft forwards per target forward | "
-                  "= in-memory greedy |", "|---|---|---:|---:|---:|---|"]
+                  "s: all, in target forwards, in draft forwards | = in-memory greedy |",
+                  "|---|---|---:|---:|---:|---:|---|"]
         for executor, entry in e2e["executors"].items():
             if entry.get("status") != "measured":
-                lines.append(f"| {executor} | | {entry.get('status', '')[:160]} | | | |")
+                lines.append(f"| {executor} | | {entry.get('status', '')[:160]} | | | | |")
                 continue
             for method, row in entry["methods"].items():
                 if row.get("status") != "measured":
-                    lines.append(f"| {executor} | {method} | {row['status'][:160]} | | | |")
+                    lines.append(f"| {executor} | {method} | {row['status'][:160]} | | | | |")
                     continue
+                split = row.get("seconds", {})
+                split = ", ".join(f"{split[key]:.2f}" for key in ("seconds", "target_seconds", "draft_seconds")
+                                  if key in split)
                 equal = str(all(row["equals_in_memory_greedy"]))
                 for divergence in filter(None, row.get("first_divergences", [])):
                     margin = divergence["logit_margin"]
@@ -1298,7 +1311,7 @@ def markdown(report: dict[str, Any]) -> str:
                               f"{' (rounding)' if is_rounding_level(divergence) else ''}")
                 lines.append(f"| {executor} | {method} | {row['tokens_per_second']:.2f} | "
                              f"{row['tokens_per_target_forward']:.2f} | "
-                             f"{row['draft_forwards_per_target_forward']:.1f} | {equal} |")
+                             f"{row['draft_forwards_per_target_forward']:.1f} | {split} | {equal} |")
         lines.append("")
     elif e2e:
         lines += ["## End to end", "", e2e.get("status", ""), ""]

@@ -28,18 +28,22 @@ _PORTABLE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutogr
 _registration: torch.library.Library | None = None
 
 
-def check_version(version: str) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is an optimum-quanto release whose ``quanto::unpack`` op and
-    portable kernel (``optimum.quanto.library.unpack.unpack``) the patch was read against.
+def check_version(
+    version: str,
+    patch: str = "quanto_unpack (its quanto::unpack op and portable kernel)",
+    otherwise: str = "let quanto build its CUDA extension (nvcc and ninja; minutes on first use)",
+) -> None:
+    """Raises ``RuntimeError`` unless ``version`` is an optimum-quanto release the patch was read against.
 
     Args:
         version: optimum-quanto's version.
+        patch: The patch and what of quanto it was read against, for the message.
+        otherwise: What happens without the patch, for the message.
     """
     if Version(Version(version).base_version) not in SUPPORTED_VERSIONS:
         raise RuntimeError(
-            f"specexec_hf.patches.quanto_unpack was written for optimum-quanto {SUPPORTED_VERSIONS} (its quanto::unpack "
-            f"op and portable kernel); found {version}. Install optimum-quanto==0.2.7, or let quanto build its CUDA "
-            "extension (nvcc and ninja; minutes on first use)."
+            f"specexec_hf.patches.{patch} was written for optimum-quanto {SUPPORTED_VERSIONS}; found {version}. "
+            f"Install optimum-quanto==0.2.7, or {otherwise}."
         )
 
 

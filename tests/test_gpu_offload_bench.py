@@ -43,6 +43,10 @@ def test_tiny_run_measures_every_section_and_writes_its_report(tiny_run):
     methods = report["end_to_end"]["executors"]["stream"]["methods"]
     assert set(methods) == {"plain generate", "HF assisted", "SpecExec budget 4", "SpecExec budget 16"}
     assert all(row["status"] == "measured" and all(row["equals_in_memory_greedy"]) for row in methods.values())
+    for row in methods.values():  # where the time went, the drafting inside the whole
+        split = row["seconds"]
+        assert split["seconds"] >= split["target_seconds"] + split["draft_seconds"] > 0
+    assert methods["plain generate"]["seconds"]["draft_seconds"] == 0 < methods["HF assisted"]["seconds"]["draft_seconds"]
     assert {"plain generate", "SpecExec budget 16"} <= set(report["projections"][0]["executors"]["stream"])
     assert [row["system"].split(",")[0] for row in report["published"]][-3:] == [
         "SpecExec paper (Svirschevski et al.", "SpecExec paper (Svirschevski et al.", "UMbreLLa README"]
