@@ -408,3 +408,43 @@ def test_observed_walks_replace_the_modelled_tokens_and_move_the_choice_to_small
     for budget in (512, 1024):  # above the largest observed budget: the model times the ratio observed there
         assert observed[budget] == pytest.approx(modelled[budget] * observed[256] / modelled[256])
     assert first >= 128 and auto.choose() <= 16  # nothing past depth 2 pays: the smallest trees that hold it
+
+
+def test_observed_draft_forwards_replace_the_modelled_ones_and_scale_the_nearest_unrun_budgets():
+    """The model can count fewer forwards for a larger tree; the trees' own counts decide once they are grown."""
+    acceptance = AcceptanceProfile(hits=[0.6, 0.2], visits=[1.0, 1.0])
+    profile = ForwardProfile({b + 1: 0.2 for b in CANDIDATES})
+    auto = AutoBudget(profile, 0.02, 16, acceptance, CANDIDATES)
+
+    def modelled() -> dict[int, float]:  # the model alone, under the acceptance the walks have updated
+        return {budget: forwards for budget, (_, forwards) in AutoBudget(
+            profile, 0.02, 16, auto.acceptance, CANDIDATES).plan().items()}
+
+    walk = Acceptance(path=[], tokens=[99])
+    for _ in range(6):
+        auto.observe(chain(64), walk, 0.0, 10, budget=64)
+    weight = autobudget.MODEL_WEIGHT_STEPS
+    model = modelled()
+    at_64 = (6 * 10 + weight * model[64]) / (6 + weight)
+    plan = auto.plan()
+    assert plan[64][1] == pytest.approx(at_64)
+    for budget in (32, 128, 1024):  # not grown: the ratio at 64, the nearest grown budget
+        assert plan[budget][1] == pytest.approx(model[budget] * at_64 / model[64])
+    auto.observe(chain(128), walk, 0.0, 3, budget=128)
+    model = modelled()
+    at_128 = (3 + weight * model[128]) / (1 + weight)
+    assert auto.plan()[128][1] == pytest.approx(at_128)
+    assert auto.plan()[256][1] == pytest.approx(model[256] * at_128 / model[128])  # its nearest grown budget: 128
+
+
+def test_a_larger_budget_whose_trees_take_more_forwards_than_modelled_loses_the_choice():
+    """As on the default pair streamed from disk: the model gave budget 128 no more draft forwards than 64."""
+    acceptance = AcceptanceProfile(hits=[0.5, 0.05], visits=[1.0, 1.0])
+    auto = AutoBudget(ForwardProfile({b + 1: 0.15 for b in CANDIDATES}), 0.01, 16, acceptance, [64, 128], None, 0.03)
+    plan = auto.plan()
+    assert plan[128][1] <= plan[64][1] and auto.choose() == 128  # the model's view: the larger tree costs no more
+    for _ in range(12):  # 128's trees hold more of the walk, and take four times 64's draft forwards
+        auto.observe(chain(64), Acceptance(path=list(range(1, 65)), tokens=list(range(65))), 0.05, 5, budget=64)
+        auto.observe(chain(128), Acceptance(path=list(range(1, 81)), tokens=list(range(81))), 0.2, 20, budget=128)
+    tokens = auto.expected_tokens()
+    assert tokens[128] > tokens[64] and auto.choose() == 64

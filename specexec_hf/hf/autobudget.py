@@ -268,6 +268,8 @@ class AutoBudget:
       first feeds the root), and one forward expands at most ``E = expand_per_forward`` nodes, so a tree takes
       ``max(depth, 1 + ceil(interior nodes / E))`` forwards, fewer where ``min_draft_gain`` stops the search: after
       the first forward that added less than that share of ``1 + forecast`` (the tree's nodes down to that depth);
+      once trees have been grown, the forwards they took at their budget, blended with the model like the tokens
+      (:meth:`_with_observed_forwards`);
     - tokens: 1 (the bonus) plus the acceptance of the nodes the search reached; once walks have been observed,
       the tokens they would have committed at that budget (:func:`tokens_within_budgets`, paired across budgets
       by :meth:`observed_tokens`), blended with the model over its first ``MODEL_WEIGHT_STEPS`` steps; above the
@@ -318,8 +320,11 @@ class AutoBudget:
         # Per candidate budget: the target forwards' moving excess over the profile, and how many were observed.
         self._target_offset = dict.fromkeys(self.candidates, 0.0)
         self._target_forwards = dict.fromkeys(self.candidates, 0)
+        # Per candidate budget: the draft forwards of the trees grown there, and how many trees.
+        self._draft_forwards = dict.fromkeys(self.candidates, 0)
+        self._trees = dict.fromkeys(self.candidates, 0)
 
-    def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, int]]:
+    def plan(self, max_depth: int | None = None) -> dict[int, tuple[float, float]]:
         """``{budget: (modelled tokens per step, modelled draft forwards)}`` for each candidate budget."""
         depth_limit = min(limit for limit in (self.max_depth, max_depth, max(self.candidates)) if limit is not None)
         parents, _, values = best_first_nodes(self.acceptance.rates(), max(self.candidates), depth_limit)
@@ -346,7 +351,27 @@ class AutoBudget:
                 )  # fmt: skip
                 forwards = min(forwards, stall) if stall is not None else forwards
             plans[budget] = (1.0 + forecast[min(forwards, deepest)], forwards)
-        return self._with_observed_tokens(plans)
+        return self._with_observed_forwards(self._with_observed_tokens(plans))
+
+    def _with_observed_forwards(self, plans: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+        """``plans`` with each budget's modelled draft forwards replaced by those its trees took, blended with the
+        model over the first ``MODEL_WEIGHT_STEPS`` trees; a budget not yet run takes the model times the ratio at
+        the nearest one that has. The model can count fewer forwards for a larger tree (its ``min_draft_gain``
+        stop comes at a shallower depth when the forecast is larger): on the default pair streamed from disk it
+        modelled 7 at budget 64 and 6 at 128, whose trees took 5.7 and 7.9, and "auto" ran 128 at 0.85x budget
+        64's tokens/s."""
+        grown = [budget for budget in self.candidates if self._trees[budget]]
+        if not grown:
+            return plans
+        ratios = {}
+        for budget in grown:
+            trees, modelled = self._trees[budget], plans[budget][1]
+            blended = (self._draft_forwards[budget] + MODEL_WEIGHT_STEPS * modelled) / (trees + MODEL_WEIGHT_STEPS)
+            ratios[budget] = blended / modelled
+        return {
+            budget: (tokens, forwards * ratios[min(grown, key=lambda b: (abs(math.log(b / budget)), b))])
+            for budget, (tokens, forwards) in plans.items()
+        }
 
     def _with_observed_tokens(self, plans: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
         """``plans`` with each budget's modelled tokens replaced by what the walks observed there (see the class)."""
@@ -400,7 +425,7 @@ class AutoBudget:
         nearest = min(observed, key=lambda b: (abs(math.log(b / budget)), b))
         return self._target_offset[nearest]
 
-    def step_seconds(self, budget: int, draft_forwards: int) -> float:
+    def step_seconds(self, budget: int, draft_forwards: float) -> float:
         """Modelled wall time of a step: the target over the root and ``budget`` tree tokens (its profile and the
         observed offset), the draft's forwards (scaled by the observed draft time) and the rest of a step."""
         scale = self._draft_observed / self._draft_modelled if self._draft_modelled else 1.0
@@ -475,6 +500,9 @@ class AutoBudget:
             self._observed_tokens[b] += within[b]
             self._observed_walks[b] += 1
             self._tokens_below[b] += within[below]
+        if reached:
+            self._trees[reached[-1]] += 1
+            self._draft_forwards[reached[-1]] += draft_forwards
         if target_seconds is not None and reached:
             ran = reached[-1]
             self._target_forwards[ran] += 1
