@@ -3,15 +3,17 @@
 quanto keeps a bfloat16 model's int4 weights (128-wide groups) in torch's "tinygemm" layout, which is device specific:
 moving such a weight from the CPU to a GPU unpacks it on the CPU and packs it again for the GPU. quanto unpacks by
 running torch's int4 CPU matmul on an identity matrix, ``in_features**2 * out_features`` multiply-adds per weight:
-on the second GPU run of issue #32 the streaming executor's move of four Llama-3-70B int4 layers to an H200 spent its
+on the third GPU run of issue #32 the streaming executor's move of four Llama-3-70B int4 layers to an H200 spent its
 whole minute inside that product (about a minute for one Llama-3-8B-sized layer on that machine's CPU, and it grows
 with the square of the input width).
 
 The layout is a fixed permutation of the nibbles, set by torch's own packer (and by the CPU's vector width, which
 that packer chooses at run time). The patch learns it from that packer, once per weight shape: it packs the digits
 of each element's position, base 16, and reads back where each position's nibble went. Unpacking is then one
-scatter, the same integers as quanto's (tests/test_quanto_tinygemm_cpu_patch.py compares them). GPU-packed weights
-keep quanto's own unpack (a product on the GPU, cheap there).
+scatter, the same integers as quanto's (tests/test_quanto_tinygemm_cpu_patch.py compares them). A learnt layout
+takes 4 bytes per weight element (0.94 GB for Llama-3-70B's 28672 x 8192 projections; learning it briefly takes
+about four times that), and the last four shapes are kept. GPU-packed weights keep quanto's own unpack (a product on
+the GPU, cheap there).
 
 ``apply()`` is idempotent, ``revert()`` restores quanto's method and drops the learnt layouts, and ``apply()``
 refuses an optimum-quanto outside ``SUPPORTED_VERSIONS``.
@@ -58,6 +60,11 @@ def unpack_cpu_int4pack(packed: torch.Tensor, rows: int, columns: int) -> torch.
         columns: Its input features.
     """
     nibbles = torch.stack([packed & 15, packed >> 4], -1).flatten()
+    if nibbles.numel() != rows * columns:
+        raise ValueError(
+            f"{list(packed.shape)} packed bytes cannot hold a [{rows}, {columns}] int4 weight in torch's CPU layout "
+            "(two values a byte): pass the shape the weight was packed from."
+        )
     values = torch.empty(rows * columns, dtype=torch.uint8)
     values[_nibble_sources(rows, columns)] = nibbles
     return values.view(rows, columns)

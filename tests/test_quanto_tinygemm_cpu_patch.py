@@ -102,3 +102,11 @@ def test_another_quanto_release_line_is_refused_naming_the_fix(version, monkeypa
     with pytest.raises(RuntimeError, match=r"quanto_tinygemm_cpu .*found " + version.replace(".", r"\.") + ".*0\\.2\\.7"):
         patch.apply()
     assert not patch.is_applied()
+
+
+def test_a_shape_the_bytes_cannot_hold_is_refused_naming_it():
+    from specexec_hf.patches.quanto_tinygemm_cpu import unpack_cpu_int4pack
+
+    packed = torch._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), innerKTiles=2)
+    with pytest.raises(ValueError, match=r"cannot hold a \[16, 128\] int4 weight"):
+        unpack_cpu_int4pack(packed, 16, 128)

@@ -369,7 +369,7 @@ class AutoBudget:
             blended = (self._draft_forwards[budget] + MODEL_WEIGHT_STEPS * modelled) / (trees + MODEL_WEIGHT_STEPS)
             ratios[budget] = blended / modelled
         return {
-            budget: (tokens, forwards * ratios[min(grown, key=lambda b: (abs(math.log(b / budget)), b))])
+            budget: (tokens, forwards * ratios[_nearest(grown, budget)])
             for budget, (tokens, forwards) in plans.items()
         }
 
@@ -422,8 +422,7 @@ class AutoBudget:
         observed = [b for b in self.candidates if self._target_forwards[b]]
         if not observed:
             return 0.0
-        nearest = min(observed, key=lambda b: (abs(math.log(b / budget)), b))
-        return self._target_offset[nearest]
+        return self._target_offset[_nearest(observed, budget)]
 
     def step_seconds(self, budget: int, draft_forwards: float) -> float:
         """Modelled wall time of a step: the target over the root and ``budget`` tree tokens (its profile and the
@@ -512,6 +511,11 @@ class AutoBudget:
         self._draft_modelled += self.draft_forward_seconds * draft_forwards
         self._other_seconds += other_seconds
         self._steps += 1
+
+
+def _nearest(budgets: list[int], budget: int) -> int:
+    """The one of ``budgets`` nearest ``budget`` by ratio, the smaller on a tie."""
+    return min(budgets, key=lambda b: (abs(math.log(b / budget)), b))
 
 
 def new_auto_budget(target: PreTrainedModel, draft: PreTrainedModel, config: SpecExecConfig) -> AutoBudget:
