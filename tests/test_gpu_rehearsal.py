@@ -7,6 +7,7 @@ header), what it carries (scripts/gpu_check --prepare) and that its checks fail 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -51,10 +52,11 @@ def test_prepare_splits_the_gguf_into_parts_that_fit_a_call_and_carries_the_read
 
     subprocess.run([str(GPU_CHECK), "--prepare", str(tmp_path)], check=True, capture_output=True,
                    env={**os.environ, "PYTHON": str(Path(os.sys.executable))})
-    parts = sorted(tmp_path.glob("*/SmolLM2-135M-Instruct.Q4_1.gguf.part*"))
+    parts = sorted(tmp_path.glob("*/SmolLM2-135M-Instruct.Q4_1.gguf.gz.part*"))
     assert [part.parent.name for part in parts] == ["1", "2", "3"]
-    whole = b"".join(part.read_bytes() for part in parts)
+    whole = gzip.decompress(b"".join(part.read_bytes() for part in parts))
     assert whole == default_target_path().read_bytes()
+    assert sum(part.stat().st_size for part in parts) < 0.95 * len(whole)  # what the gzip is for
     manifest = (tmp_path / "3" / "manifest").read_text().splitlines()
     assert manifest[0].split()[0] == hashlib.sha256(whole).hexdigest() and manifest[1].split()[0] == str(len(whole))
     assert all((tmp_path / k / "manifest").read_text() == (tmp_path / "3" / "manifest").read_text() for k in "12")
