@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import importable
@@ -110,3 +112,18 @@ def test_a_shape_the_bytes_cannot_hold_is_refused_naming_it():
     packed = torch._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), innerKTiles=2)
     with pytest.raises(ValueError, match=r"cannot hold a \[16, 128\] int4 weight"):
         unpack_cpu_int4pack(packed, 16, 128)
+
+
+def test_the_benchmark_times_both_unpacks_and_compares_their_integers(tmp_path, monkeypatch, patch):
+    from conftest import benchmark_script
+
+    bench = benchmark_script("quanto_cpu_unpack")
+    monkeypatch.setattr("sys.argv", ["quanto_cpu_unpack.py", "--shapes", "48x256", "64x512", "--quanto-max-elements",
+                                     "12288", "--out", str(tmp_path)])
+    bench.main()
+    report = json.loads((tmp_path / "quanto_cpu_unpack.json").read_text())
+    small, large = report["rows"]
+    assert small["same_integers"] is True and small["quanto_seconds"] > 0  # 48 x 256: within the quanto limit
+    assert "quanto_seconds" not in large and large["patched_seconds"] > 0
+    assert "| 64 x 512 |" in (tmp_path / "quanto_cpu_unpack.md").read_text()
+    assert not patch.is_applied()  # the benchmark leaves quanto as it found it
