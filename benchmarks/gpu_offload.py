@@ -895,7 +895,8 @@ def end_to_end(
                 # Where the wall time went (host clocks around the forwards: a GPU's queued work lands where the
                 # host next waits): the stream executor's HF assisted and small-budget rows ran 2-5x slower than its
                 # budget-2048 row on the H200, in runs 2 and 3 alike, with the same forwards.
-                "seconds": {key: sum(row[key] for row in rows) for key in ("seconds", "target_seconds", "draft_seconds")},
+                "seconds": {key: sum(row[key] for row in rows)
+                            for key in ("seconds", "target_seconds", "draft_seconds")},
                 "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
             }
             divergences = [first_divergence(reference, inputs, want, row["tokens"], device)

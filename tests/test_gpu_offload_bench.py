@@ -46,7 +46,8 @@ def test_tiny_run_measures_every_section_and_writes_its_report(tiny_run):
     for row in methods.values():  # where the time went, the drafting inside the whole
         split = row["seconds"]
         assert split["seconds"] >= split["target_seconds"] + split["draft_seconds"] > 0
-    assert methods["plain generate"]["seconds"]["draft_seconds"] == 0 < methods["HF assisted"]["seconds"]["draft_seconds"]
+    drafting = {method: methods[method]["seconds"]["draft_seconds"] for method in ("plain generate", "HF assisted")}
+    assert drafting["plain generate"] == 0 < drafting["HF assisted"]
     assert {"plain generate", "SpecExec budget 16"} <= set(report["projections"][0]["executors"]["stream"])
     assert [row["system"].split(",")[0] for row in report["published"]][-3:] == [
         "SpecExec paper (Svirschevski et al.", "SpecExec paper (Svirschevski et al.", "UMbreLLa README"]
