@@ -71,6 +71,18 @@ def test_requests_of_equal_length_share_every_draft_call():
     assert batch.draft_calls == max(result.draft_forwards for result in batch.results) > 1
 
 
+def test_growing_with_autograd_on_records_no_graph():
+    """Outside generate() (a benchmark, the vLLM proposer) grad mode may be on; a draft's forwards under it cost
+    a third more host time and keep their activations alive."""
+    draft = tiny_model("llama", seed=5)
+    generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=16, expand_per_forward=4))
+    with torch.enable_grad():
+        grown = generator.grow_tree(torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(6)))
+    assert grown.draft_forwards > 1
+    assert not grown.tree.logprobs.requires_grad and not grown.pool.logprobs.requires_grad
+    assert not generator.cache.layers[0].keys.requires_grad
+
+
 def test_grow_trees_rejects_shared_generators():
     draft = tiny_model("llama", seed=0)
     generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=8))

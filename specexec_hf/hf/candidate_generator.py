@@ -362,6 +362,7 @@ class TreeBatch:
     draft_calls: int
 
 
+@torch.no_grad()  # called outside generate() too (benchmarks, the vLLM proposer): autograd would record the draft
 def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor, int | None]]) -> TreeBatch:
     """Grows one tree per request, sharing each round's draft forward among all requests.
 
