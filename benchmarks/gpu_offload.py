@@ -820,6 +820,9 @@ def is_rounding_level(divergence: dict[str, Any]) -> bool:
     return margin is not None and abs(margin) <= ROUNDING_LOGIT_MARGIN
 
 
+TIME_SPLIT = ("seconds", "target_seconds", "draft_seconds")  # a generate()'s wall time, and its forwards' shares
+
+
 def timed_generate(model, inputs: dict, max_new_tokens: int, device: torch.device, **kwargs) -> dict[str, Any]:
     """One greedy generate(): new tokens, seconds, and forward counts of the target and of any draft."""
     stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
@@ -895,8 +898,7 @@ def end_to_end(
                 # Where the wall time went (host clocks around the forwards: a GPU's queued work lands where the
                 # host next waits): the stream executor's HF assisted and small-budget rows ran 2-5x slower than its
                 # budget-2048 row on the H200, in runs 2 and 3 alike, with the same forwards.
-                "seconds": {key: sum(row[key] for row in rows)
-                            for key in ("seconds", "target_seconds", "draft_seconds")},
+                "seconds": {key: sum(row[key] for row in rows) for key in TIME_SPLIT},
                 "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
             }
             divergences = [first_divergence(reference, inputs, want, row["tokens"], device)
@@ -1301,9 +1303,8 @@ def markdown(report: dict[str, Any]) -> str:
                 if row.get("status") != "measured":
                     lines.append(f"| {executor} | {method} | {row['status'][:160]} | | | | |")
                     continue
-                split = row.get("seconds", {})
-                split = ", ".join(f"{split[key]:.2f}" for key in ("seconds", "target_seconds", "draft_seconds")
-                                  if key in split)
+                times = row.get("seconds", {})  # absent from reports of runs before it was recorded
+                split = ", ".join(f"{times[key]:.2f}" for key in TIME_SPLIT if key in times)
                 equal = str(all(row["equals_in_memory_greedy"]))
                 for divergence in filter(None, row.get("first_divergences", [])):
                     margin = divergence["logit_margin"]

@@ -101,7 +101,8 @@ def test_another_quanto_release_line_is_refused_naming_the_fix(version, monkeypa
     import importlib.metadata
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    with pytest.raises(RuntimeError, match=r"quanto_tinygemm_cpu .*found " + version.replace(".", r"\.") + ".*0\\.2\\.7"):
+    refused = r"quanto_tinygemm_cpu .*found " + version.replace(".", r"\.") + ".*0\\.2\\.7"
+    with pytest.raises(RuntimeError, match=refused):
         patch.apply()
     assert not patch.is_applied()
 
