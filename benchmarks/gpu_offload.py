@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import specexec_hf
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig
@@ -681,6 +681,7 @@ def draft_timing(
             result["one_token_forward_kernel_seconds"] = kernel_seconds(
                 lambda: draft(input_ids=history[:, -1:], past_key_values=cache, use_cache=True), device)
             cache.crop(-1)
+        result["tree_feed"] = tree_feed_forward(draft, history, SpecExecConfig().expand_per_forward, repeats, device)
     for budget in budgets:
         if not deadline.allows(20):
             result["budgets"][str(budget)] = {"status": "skipped: time budget spent"}
@@ -703,6 +704,74 @@ def draft_timing(
                 lambda: generator.grow_tree(history), device)
         print(f"  draft {shape.name}, budget {budget}: {seconds:.3f} s, {forwards} forwards", flush=True)
     del draft
+    return result
+
+
+def tree_feed_forward(
+    draft: LlamaForCausalLM, history: torch.Tensor, rows: int, repeats: int, device: torch.device
+) -> dict[str, Any]:
+    """One draft forward over a tree feed of ``rows`` nodes after ``history``, as the search runs it (over a
+    :class:`DynamicCache`, which grows by concatenation) and over a :class:`StaticCache` of fixed size; on CUDA also
+    that static forward captured once as a CUDA graph and replayed, with fixed input buffers: what a forward would
+    cost with CUDA-graphed drafting, which is not built (the search feeds the draft through dynamic caches). Its logits
+    are checked against the dynamic forward's.
+    """
+    context = history.shape[1]
+    tokens = history[:, -rows:]
+    positions = torch.arange(context, context + rows, device=device)[None]
+    visible = torch.ones(1, 1, rows, context + rows, dtype=torch.bool, device=device)
+    visible[0, 0, :, context:] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    feed = {"input_ids": tokens, "position_ids": positions, "attention_mask": visible, "use_cache": True,
+            "logits_to_keep": rows}
+
+    def timed(forward: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            synchronize(device)
+            started = time.perf_counter()
+            forward()
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+        return median(times[1:])
+
+    result: dict[str, Any] = {"rows": rows, "context_tokens": context}
+    with torch.no_grad():
+        dynamic = DynamicCache()
+        draft(input_ids=history, past_key_values=dynamic, use_cache=True)
+
+        def dynamic_forward() -> torch.Tensor:
+            logits = draft(**feed, past_key_values=dynamic).logits
+            dynamic.crop(context)
+            return logits
+
+        static = StaticCache(config=draft.config, max_cache_len=context + rows)
+        draft(input_ids=history, past_key_values=static, use_cache=True,
+              cache_position=torch.arange(context, device=device))
+        slots = torch.arange(context, context + rows, device=device)
+
+        def static_forward() -> torch.Tensor:
+            for layer in static.layers:  # rewinds where transformers' static layers count their own length
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                    layer.cumulative_length.fill_(context)
+            return draft(**feed, past_key_values=static, cache_position=slots).logits
+
+        result["static_max_abs_difference"] = float((dynamic_forward() - static_forward()).abs().max())
+        result["dynamic_cache_seconds"] = timed(dynamic_forward)
+        result["static_cache_seconds"] = timed(static_forward)
+        if device.type == "cuda":
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+                    for _ in range(3):
+                        static_forward()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_forward()
+                result["cuda_graph_seconds"] = timed(graph.replay)
+            except Exception as error:  # a forward that cannot be captured says why instead of a figure
+                result["cuda_graph_error"] = f"{type(error).__name__}: {error}"[:300]
     return result
 
 
@@ -1002,27 +1071,52 @@ def project(shape_result: dict[str, Any], draft: dict[str, Any], rates: dict[str
                 continue
             if target is None:
                 continue
-            rows[method] = {"tokens_per_second": rate["tokens_per_target_forward"] / (target + draft_seconds),
-                            "target_seconds": target, "draft_seconds": draft_seconds,
-                            "tokens_per_target_forward": rate["tokens_per_target_forward"]}
+            rows[method] = projected_row(rate, target, draft_seconds)
+            graphed = graphed_seconds_per_draft_forward(draft, timing) if method.startswith("SpecExec") else None
+            if executor == "stream" and graphed is not None:
+                rows[f"{GRAPHED} {method}"] = projected_row(rate, target, drafted * graphed)
         projection["executors"][executor] = rows
     return projection
 
 
+GRAPHED = "graphed drafting (not built):"
+"""Prefix of the projected rows whose draft forwards are CUDA graph replays, a path generate() does not have."""
+
+
+def projected_row(rate: dict[str, float], target_seconds: float, draft_seconds: float) -> dict[str, float]:
+    """One method's projected step: its tokens per target forward over the target's and the draft's seconds."""
+    return {"tokens_per_second": rate["tokens_per_target_forward"] / (target_seconds + draft_seconds),
+            "target_seconds": target_seconds, "draft_seconds": draft_seconds,
+            "tokens_per_target_forward": rate["tokens_per_target_forward"]}
+
+
+def graphed_seconds_per_draft_forward(draft: dict[str, Any], timing: dict[str, Any]) -> float | None:
+    """A tree's seconds per draft forward were each forward a CUDA graph replay: the measured seconds per forward
+    with the eager tree-feed forward swapped for its replay, the search's own host time between forwards kept;
+    ``None`` where no replay was measured."""
+    feed = draft.get("tree_feed", {})
+    if "cuda_graph_seconds" not in feed or "seconds_per_draft_forward" not in timing:
+        return None
+    search = max(timing["seconds_per_draft_forward"] - feed["dynamic_cache_seconds"], 0.0)
+    return search + feed["cuda_graph_seconds"]
+
+
 def ratios(projection: dict[str, Any]) -> dict[str, float]:
-    """The issue's goals: best SpecExec vs plain generate and HF assisted, on the stream executor and vs accelerate."""
+    """The issue's goals: best SpecExec vs plain generate and HF assisted, on the stream executor and vs accelerate;
+    then the same for the best row of the unbuilt graphed drafting, labelled as such (it meets no goal)."""
     stream = projection["executors"].get("stream", {})
-    specexec = {name: row for name, row in stream.items() if name.startswith("SpecExec")}
-    if not specexec:
-        return {}
-    best_name, best = max(specexec.items(), key=lambda item: item[1]["tokens_per_second"])
     result = {}
-    for executor in ("stream", "accelerate"):
-        for method in ("plain generate", "HF assisted"):
-            other = projection["executors"].get(executor, {}).get(method)
-            if other:
-                key = f"{best_name} (stream) vs {method} ({executor})"
-                result[key] = best["tokens_per_second"] / other["tokens_per_second"]
+    for prefix, label in (("SpecExec", "stream"), (GRAPHED, "stream, a projection of an unbuilt path")):
+        rows = {name: row for name, row in stream.items() if name.startswith(prefix)}
+        if not rows:
+            continue
+        best_name, best = max(rows.items(), key=lambda item: item[1]["tokens_per_second"])
+        for executor in ("stream", "accelerate"):
+            for method in ("plain generate", "HF assisted"):
+                other = projection["executors"].get(executor, {}).get(method)
+                if other:
+                    key = f"{best_name} ({label}) vs {method} ({executor})"
+                    result[key] = best["tokens_per_second"] / other["tokens_per_second"]
     return result
 
 
@@ -1286,6 +1380,16 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{1e3 * row['seconds_per_draft_forward']:.2f} | {'' if busy is None else f'{busy:.3f}'} |")
             else:
                 lines.append(f"| {budget} | {row['status']} | | | |")
+        feed = draft.get("tree_feed")
+        if feed:
+            replay = (f"{1e3 * feed['cuda_graph_seconds']:.2f} ms replayed as a CUDA graph" if "cuda_graph_seconds"
+                      in feed else f"no CUDA graph ({feed.get('cuda_graph_error', 'not a CUDA device')})")
+            lines += ["", f"One forward over a tree feed of {feed['rows']} nodes after {feed['context_tokens']} cached "
+                      f"tokens: {1e3 * feed['dynamic_cache_seconds']:.2f} ms over the dynamic cache the search uses, "
+                      f"{1e3 * feed['static_cache_seconds']:.2f} ms over a static cache, {replay} (logits within "
+                      f"{feed['static_max_abs_difference']:.1e} of the dynamic forward's). The projection's `{GRAPHED}` "
+                      "rows swap the eager forward for the replay and keep the search's host time; generate() has "
+                      "no such path."]
         lines.append("")
     lines += disk_markdown(report.get("disk"))
     e2e = report.get("end_to_end")

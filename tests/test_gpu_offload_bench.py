@@ -316,3 +316,32 @@ def test_the_gpu_budget_keeps_every_decoder_layer_off_the_gpu_with_a_tied_head_o
     on_gpu = {name for name, where in placement.items() if where == 0}
     assert "model.embed_tokens" in on_gpu
     assert not any(name.startswith("model.layers.") for name in on_gpu), on_gpu
+
+
+def test_the_draft_s_tree_feed_is_timed_over_a_static_cache_with_the_dynamic_forward_s_logits(tiny_run):
+    _, out, report = tiny_run
+    feed = report["draft"]["tree_feed"]
+    assert feed["rows"] == gpu_offload.SpecExecConfig().expand_per_forward
+    assert feed["dynamic_cache_seconds"] > 0 and feed["static_cache_seconds"] > 0
+    assert feed["static_max_abs_difference"] < 1e-4
+    assert "cuda_graph_seconds" not in feed  # a CPU has no graphs; the report says so
+    assert "no CUDA graph (not a CUDA device)" in (out / "gpu_offload.md").read_text()
+
+
+def test_graphed_rows_swap_the_eager_feed_for_the_replay_and_count_for_no_goal():
+    shape = {"executors": {"stream": {"status": "measured", "full_shape_seconds": {"1": 0.5, "257": 0.7}}}}
+    draft = {"one_token_forward_seconds": 0.01, "budgets": {"256": {"seconds_per_draft_forward": 0.014}},
+             "tree_feed": {"dynamic_cache_seconds": 0.012, "cuda_graph_seconds": 0.002}}
+    rates = {"source": "test", "methods": {
+        "SpecExec budget 256": {"tokens_per_target_forward": 4.0, "draft_forwards_per_target_forward": 50.0}}}
+    rows = gpu_offload.project(shape, draft, rates)["executors"]["stream"]
+    graphed = rows[f"{gpu_offload.GRAPHED} SpecExec budget 256"]
+    assert graphed["draft_seconds"] == pytest.approx(50 * (0.014 - 0.012 + 0.002))
+    ratios = gpu_offload.ratios({"executors": {"stream": rows}})
+    built = ratios["SpecExec budget 256 (stream) vs plain generate (stream)"]
+    assert built == pytest.approx(4.0 / (0.7 + 50 * 0.014) * 0.5)
+    unbuilt = [value for key, value in ratios.items() if "unbuilt" in key]
+    assert unbuilt == [pytest.approx(4.0 / (0.7 + 50 * 0.004) * 0.5)]
+    del draft["tree_feed"]["cuda_graph_seconds"]
+    assert set(gpu_offload.project(shape, draft, rates)["executors"]["stream"]) == {"plain generate",
+                                                                                  "SpecExec budget 256"}
