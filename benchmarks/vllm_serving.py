@@ -465,7 +465,8 @@ def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, 
     if tree:
         settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
         settings["step_budget"] = budget
-        settings.update({"draft_dtype": args.draft_dtype, "draft_vocab": args.draft_vocab})  # null: unset
+        settings.update({"draft_dtype": args.draft_dtype, "draft_vocab": args.draft_vocab,  # null: unset
+                         "draft_int8": args.draft_int8})
     return [*common, "--speculative-config", json.dumps(config)]
 
 
@@ -751,6 +752,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(the whole vocabulary); default: the proposer's (the draft folder's "
                              "specexec_draft_vocab.json where it has one: with --default-pair the shipped draft's "
                              "8192, as generate() runs it; else the whole vocabulary).")  # fmt: skip
+    parser.add_argument("--draft-int8", action="store_true",
+                        help="specexec_tree's draft computes its decoder layers in int8 (the proposer's draft_int8).")
     parser.add_argument("--cache-fraction", type=float,
                         help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
                              "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
@@ -828,6 +831,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "offload_prefetch": args.offload_prefetch if args.offload is not None else None,
         "tree_draft_dtype": args.draft_dtype,
         "tree_draft_vocab": args.draft_vocab,
+        "tree_draft_int8": args.draft_int8,
         "cache_fraction": args.cache_fraction,
         "disconnects": args.disconnects,
         "failed": [],  # configurations whose server failed, with the error

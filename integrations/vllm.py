@@ -24,7 +24,8 @@ Each setting can also come from an environment variable, ``SPECEXEC_<NAME>`` (``
 ``draft_dtype`` (default: bfloat16 for a float32 target on a CPU with native bfloat16 matmuls, else the target's
 dtype), ``draft_vocab`` (a JSON list of the token ids the draft's head scores, as the shipped draft's head does in
 ``generate()``; default: the draft folder's ``specexec_draft_vocab.json`` where it has one, else all; ``"all"``:
-all), ``tree_search`` (a registered tree policy's name, as
+all), ``draft_int8`` (``true``: the draft's decoder layers compute in int8, a float32 Llama draft on the CPU),
+``tree_search`` (a registered tree policy's name, as
 ``generate(tree_search=...)`` takes it: ``"specexec"`` by default, ``"sequoia"``, ``"specinfer"``; one policy
 serves and learns from every request) and the :class:`SpecExecConfig` knobs.
 
@@ -74,6 +75,7 @@ from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
 from ..hf.learnt_state import LearntState
+from ..models.int8_draft import int8_draft
 from ..models.vocab import restrict_draft_vocabulary
 from ..offload.direct_io import Span, WeightFile, aligned_empty, plan_reads, round_up
 from ..offload.layout import RingSlot, ring_slots, slot_members
@@ -150,6 +152,8 @@ class ProposerSettings:
             proposes no other (:func:`~specexec_hf.models.vocab.restrict_draft_vocabulary`, what the shipped draft's
             head does in ``generate()``); ``None`` scores the whole vocabulary. :meth:`from_sources` fills it from
             the draft folder's :data:`DRAFT_VOCAB_FILE` when the setting is unset.
+        draft_int8: Compute the draft's decoder layers in int8 (:func:`~specexec_hf.models.int8_draft.int8_draft`:
+            a float32 Llama draft on the CPU); it changes the proposals only.
     """
 
     draft_model: str
@@ -161,6 +165,7 @@ class ProposerSettings:
     step_budget: int | None = None
     tree_search: str = "specexec"
     draft_vocab: str | None = None
+    draft_int8: bool = False
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any], environ: Mapping[str, str]) -> ProposerSettings:
@@ -173,7 +178,7 @@ class ProposerSettings:
         knobs = SpecExecConfig.knob_names()
         names = (
             "draft_model", "draft_dtype", "tree_verification", "offload", "offload_prefetch", "step_budget",
-            "tree_search", "draft_vocab", *knobs,
+            "tree_search", "draft_vocab", "draft_int8", *knobs,
         )  # fmt: skip
         unknown = sorted(set(extra) - set(names))
         if unknown:
@@ -209,9 +214,10 @@ class ProposerSettings:
                 f"draft_vocab={draft_vocab!r} is not a file: give a JSON file holding a list of token ids, or "
                 f"{FULL_VOCABULARY!r} to score the whole vocabulary."
             )
+        draft_int8 = bool(_parse_knob("draft_int8", "bool", raw.get("draft_int8", False)))
         return cls(
             str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget,
-            tree_search, draft_vocab,
+            tree_search, draft_vocab, draft_int8,
         )
 
 
@@ -431,6 +437,8 @@ class SpecExecProposer:
             restrict_draft_vocabulary(draft, read_token_ids(self.settings.draft_vocab))
         check_draft_vocabulary(self.target_vocab_size, draft, target_name="vLLM target")
         check_supported(draft, "draft")  # fail at engine start, not on the first request
+        if self.settings.draft_int8:
+            int8_draft(draft)
         self.draft = draft
         if self.settings.tree_verification:
             self.tree_verifier = vllm_tree.install(self._runner)

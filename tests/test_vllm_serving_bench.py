@@ -133,12 +133,13 @@ def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, ca
 
 
 def test_tree_draft_settings_reach_the_proposer(tmp_path):
-    """--draft-dtype and --draft-vocab go to the tree proposer's settings only."""
-    args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16"])
+    """--draft-dtype, --draft-vocab and --draft-int8 go to the tree proposer's settings only."""
+    args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16", "--draft-int8"])
     command = vllm_serving.server_args("specexec_tree", args, "DRAFT", 16, concurrency=1)
     settings = json.loads(command[command.index("--speculative-config") + 1])["draft_load_config"]
     settings = settings["model_loader_extra_config"]["specexec"]
-    assert (settings["draft_vocab"], settings["draft_dtype"]) == ("vocab.json", "bfloat16")
+    assert (settings["draft_vocab"], settings["draft_dtype"], settings["draft_int8"]) == ("vocab.json", "bfloat16", True)
+    assert not vllm_serving.parse_args([]).draft_int8
     draft_model = vllm_serving.server_args("draft_model", args, "DRAFT", 16, concurrency=1)
     assert "vocab.json" not in draft_model[draft_model.index("--speculative-config") + 1]
 

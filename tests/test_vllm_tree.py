@@ -209,6 +209,14 @@ def test_sampled_trees_draw_from_the_targets_distribution(noisy_tree_run, baseli
     assert _same_distribution_p(noisy_tree_run.sampled, colder_baseline) < 1e-4
 
 
+def test_an_int8_draft_s_trees_equal_no_speculation(pair, baseline):
+    """The proposer's draft_int8 swaps the draft's layers (float32, whatever the CPU's native dtypes) and the
+    outputs stay the target's."""
+    run = _run(pair.target, _tree_config(pair.draft, budget=16, draft_int8=True, draft_dtype="float32"), **CHUNKED)
+    _assert_same_outputs(run, baseline)
+    assert run.stats["trees"] > 0 and 0 < run.stats["accepted_nodes"]
+
+
 def test_draft_equal_to_target_accepts_deep_paths(self_tree_run, baseline):
     _assert_same_outputs(self_tree_run, baseline)
     stats = self_tree_run.stats

@@ -335,6 +335,16 @@ def test_tree_verification_setting():
         ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_VERIFICATION": "maybe"})
 
 
+def test_draft_int8_setting():
+    from specexec_hf.integrations.vllm import ProposerSettings
+
+    assert not ProposerSettings.from_sources({"draft_model": "d"}, {}).draft_int8
+    assert ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_DRAFT_INT8": "1"}).draft_int8
+    assert ProposerSettings.from_sources({"draft_model": "d", "draft_int8": True}, {}).draft_int8
+    with pytest.raises(ValueError, match="draft_int8='yes' is not"):
+        ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_DRAFT_INT8": "yes"})
+
+
 def test_draft_vocab_setting(tmp_path):
     """draft_vocab names a JSON list of token ids (JSON or SPECEXEC_DRAFT_VOCAB); unset, the draft folder's
     DRAFT_VOCAB_FILE where there is one; 'all' keeps the whole head; other files are refused, naming the problem."""
