@@ -12,7 +12,8 @@ the target's own; vLLM counts accepted tokens before cutting a request at ``max_
 ``delivered_tokens_per_step`` gives the count from the tokens the clients received).
 Methods: ``none``; ``draft_model`` (vLLM's draft-model chains, ``-k`` tokens); ``specexec_tree`` once per
 ``--budgets`` entry, the tree nodes of one engine step for the whole batch (``step_budget``; each request grows its
-tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut). Every
+tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut);
+``specexec_tree_int8`` the same with the draft's decoder layers in int8 (the proposer's ``draft_int8``). Every
 configuration's texts must equal the ``none`` server's at the same concurrency (greedy): ``outputs_equal_none``.
 
 ``--offload FOLDER`` streams every server's target from disk (``SPECEXEC_OFFLOAD``: the proposer's switch for
@@ -75,6 +76,7 @@ PROMPTS = [
     "User: Can you explain what a computer program is to a child?\nAssistant:",
 ]
 # Not one of PROMPTS, so the measured requests find no prefix-cache blocks the warm-up left behind.
+TREE_METHODS = ("specexec_tree", "specexec_tree_int8")
 WARMUP_PROMPT = "User: Hello! How are you today?\nAssistant:"
 WARMUP_TOKENS = 16  # at most: enough to run prefill, drafting and verification once each
 SPEC_COUNTERS = {
@@ -163,7 +165,7 @@ class MethodResult:
     """One server's measured request phase.
 
     Args:
-        method: ``"none"``, ``"draft_model"`` or ``"specexec_tree"``.
+        method: ``"none"``, ``"draft_model"``, ``"specexec_tree"`` or ``"specexec_tree_int8"``.
         concurrency: Client threads, and the server's ``--max-num-seqs``.
         budget: ``specexec_tree``'s tree nodes per engine step for the whole batch (``step_budget``), else
             ``None``.
@@ -458,15 +460,16 @@ def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, 
     ``specexec_tree``'s ``budget`` is the step's total (``step_budget``), shared best-first by the batch."""
     common = ["--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len),
               "--max-num-seqs", str(concurrency), "--seed", "0"]  # fmt: skip
-    tree = method == "specexec_tree"
-    config = speculative_config(method, draft, args.k, request_budget(args, budget) if tree else budget, None)
+    tree = method in TREE_METHODS
+    config = speculative_config("specexec_tree" if tree else method, draft, args.k,
+                                request_budget(args, budget) if tree else budget, None)
     if config is None:
         return common
     if tree:
         settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
         settings["step_budget"] = budget
         settings.update({"draft_dtype": args.draft_dtype, "draft_vocab": args.draft_vocab,  # null: unset
-                         "draft_int8": args.draft_int8})
+                         "draft_int8": method == "specexec_tree_int8"})
     return [*common, "--speculative-config", json.dumps(config)]
 
 
@@ -538,7 +541,7 @@ def run_method(
     method: str, args: argparse.Namespace, target: str, draft: str, budget: int, concurrency: int
 ) -> MethodResult:
     """Starts one server for ``method``, warms it up, measures ``args.requests`` requests and stops it."""
-    tree = method == "specexec_tree"
+    tree = method in TREE_METHODS
     log = args.output.parent / f"{args.output.stem}_c{concurrency}_{method}{f'_b{budget}' if tree else ''}.log"
     env = {**os.environ}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM-CPU otherwise reserves a large share of RAM
@@ -583,7 +586,7 @@ def measure(
     cap: MemoryCap | None,
 ) -> MethodResult:
     """The warm-up, the cap, the measured request phase and the disconnect check on a healthy server."""
-    tree = method == "specexec_tree"
+    tree = method in TREE_METHODS
     # One warm-up request per client at once, so that the memory held when the cap is set is the server's working
     # set at this concurrency (a tree server's grows with the requests in flight).
     with ThreadPoolExecutor(concurrency) as pool:
@@ -664,19 +667,20 @@ def goals(results: list[MethodResult]) -> list[dict[str, Any]]:
     """Issue 30's throughput goals as measured ratios: the best ``specexec_tree`` budget's output tok/s against
     ``none`` and ``draft_model`` with one client, and against ``none`` with eight; only those measured."""
 
-    def best(method: str, concurrency: int) -> MethodResult | None:
-        runs = [r for r in results if r.method == method and r.concurrency == concurrency]
+    def best(methods: tuple[str, ...], concurrency: int) -> MethodResult | None:
+        runs = [r for r in results if r.method in methods and r.concurrency == concurrency]
         return max(runs, key=lambda r: r.output_tokens_per_s, default=None)
 
     wanted = [(1, "none", 2.0), (1, "draft_model", 1.5), (8, "none", 1.3)]
     measured = []
     for concurrency, baseline_method, target_ratio in wanted:
-        tree, baseline = best("specexec_tree", concurrency), best(baseline_method, concurrency)
+        tree, baseline = best(TREE_METHODS, concurrency), best((baseline_method,), concurrency)
         if tree is None or baseline is None:
             continue
         ratio = tree.output_tokens_per_s / baseline.output_tokens_per_s
         measured.append({
             "goal": f"{concurrency} client(s): trees >= {target_ratio}x {baseline_method}",
+            "best_tree_method": tree.method,
             "best_tree_budget": tree.budget,
             "ratio": round(ratio, 3),
             "met": ratio >= target_ratio,
@@ -725,7 +729,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--noise", type=float, default=0.1, help="Synthetic draft's relative weight noise.")
     parser.add_argument("--default-pair", action="store_true", help="SmolLM2-135M-Instruct and the shipped draft.")
     parser.add_argument("--methods", nargs="+", default=["none", "draft_model", "specexec_tree"],
-                        choices=["none", "draft_model", "specexec_tree"])  # fmt: skip
+                        choices=["none", "draft_model", *TREE_METHODS])  # fmt: skip
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens of draft_model.")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128],
                         help="specexec_tree's tree nodes per engine step, shared by the batch (step_budget).")
@@ -752,8 +756,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(the whole vocabulary); default: the proposer's (the draft folder's "
                              "specexec_draft_vocab.json where it has one: with --default-pair the shipped draft's "
                              "8192, as generate() runs it; else the whole vocabulary).")  # fmt: skip
-    parser.add_argument("--draft-int8", action="store_true",
-                        help="specexec_tree's draft computes its decoder layers in int8 (the proposer's draft_int8).")
     parser.add_argument("--cache-fraction", type=float,
                         help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
                              "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
@@ -767,7 +769,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if len(args.request_budget) != len(args.budgets) or len(set(args.budgets)) < len(args.budgets):
             parser.error(f"--request-budget lists {len(args.request_budget)} caps: give one, or one per budget of "
                          f"--budgets {args.budgets} (each budget once)")  # fmt: skip
-    longest = max(request_budget(args, b) for b in args.budgets) if "specexec_tree" in args.methods else args.k
+    trees = set(TREE_METHODS) & set(args.methods)
+    longest = max(request_budget(args, b) for b in args.budgets) if trees else args.k
     if args.max_model_len < args.max_tokens + 2 * longest:
         parser.error(f"--max-model-len {args.max_model_len} leaves no room for the prompt, --max-tokens and two "
                      f"proposals of {longest} tokens: vLLM would send zeros instead of drafts")  # fmt: skip
@@ -795,7 +798,7 @@ def write_report(report: dict[str, Any], results: list[MethodResult], output: Pa
     report["goals"] = goals(results)
     output.write_text(json.dumps(report, indent=2))
     lines = [markdown_table(results), ""]
-    lines += [f"- {g['goal']}: {g['ratio']:.2f}x (budget {g['best_tree_budget']}), "
+    lines += [f"- {g['goal']}: {g['ratio']:.2f}x ({g['best_tree_method']}, budget {g['best_tree_budget']}), "
               f"{'met' if g['met'] else 'not met'}" for g in report["goals"]]  # fmt: skip
     lines += [f"- FAILED: {f['concurrency']} client(s), {f['method']} (budget {f['budget']}): "
               f"{f['error'].splitlines()[0]}" for f in report["failed"]]  # fmt: skip
@@ -831,7 +834,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "offload_prefetch": args.offload_prefetch if args.offload is not None else None,
         "tree_draft_dtype": args.draft_dtype,
         "tree_draft_vocab": args.draft_vocab,
-        "tree_draft_int8": args.draft_int8,
         "cache_fraction": args.cache_fraction,
         "disconnects": args.disconnects,
         "failed": [],  # configurations whose server failed, with the error
@@ -855,7 +857,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["target"], report["draft"] = target, draft
         for concurrency in args.concurrency:
             for method in args.methods:
-                for budget in args.budgets if method == "specexec_tree" else [0]:
+                for budget in args.budgets if method in TREE_METHODS else [0]:
                     try:
                         results.append(run_method(method, args, target, draft, budget, concurrency))
                     except (RuntimeError, TimeoutError, OSError) as error:  # a server that died: on to the next

@@ -82,15 +82,20 @@ def test_goals_take_the_best_tree_budget_and_skip_what_was_not_measured():
         result("draft_model", 1, 3.0, ["a"]),
         result("specexec_tree", 1, 4.5, ["a"], budget=16),
         result("specexec_tree", 1, 3.5, ["a"], budget=64),
+        result("specexec_tree_int8", 1, 4.0, ["a"], budget=32),
         result("specexec_tree", 8, 20.0, ["a"], budget=64),  # no none with 8 clients: that goal is not measured
     ]
+    tree = {"best_tree_method": "specexec_tree", "best_tree_budget": 16}
     assert vllm_serving.goals(results) == [
-        {"goal": "1 client(s): trees >= 2.0x none", "best_tree_budget": 16, "ratio": 2.25, "met": True},
-        {"goal": "1 client(s): trees >= 1.5x draft_model", "best_tree_budget": 16, "ratio": 1.5, "met": True},
+        {"goal": "1 client(s): trees >= 2.0x none", **tree, "ratio": 2.25, "met": True},
+        {"goal": "1 client(s): trees >= 1.5x draft_model", **tree, "ratio": 1.5, "met": True},
     ]
+    results.append(result("specexec_tree_int8", 1, 6.0, ["a"], budget=32))  # either kind of tree draft counts
+    assert vllm_serving.goals(results)[0]["best_tree_method"] == "specexec_tree_int8"
     results.append(result("none", 8, 16.0, ["a"]))
     assert vllm_serving.goals(results)[-1] == {
-        "goal": "8 client(s): trees >= 1.3x none", "best_tree_budget": 64, "ratio": 1.25, "met": False
+        "goal": "8 client(s): trees >= 1.3x none", "best_tree_method": "specexec_tree", "best_tree_budget": 64,
+        "ratio": 1.25, "met": False,
     }  # fmt: skip
 
 
@@ -133,13 +138,15 @@ def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, ca
 
 
 def test_tree_draft_settings_reach_the_proposer(tmp_path):
-    """--draft-dtype, --draft-vocab and --draft-int8 go to the tree proposer's settings only."""
-    args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16", "--draft-int8"])
-    command = vllm_serving.server_args("specexec_tree", args, "DRAFT", 16, concurrency=1)
-    settings = json.loads(command[command.index("--speculative-config") + 1])["draft_load_config"]
-    settings = settings["model_loader_extra_config"]["specexec"]
-    assert (settings["draft_vocab"], settings["draft_dtype"], settings["draft_int8"]) == ("vocab.json", "bfloat16", True)
-    assert not vllm_serving.parse_args([]).draft_int8
+    """--draft-dtype and --draft-vocab go to the tree proposer's settings only; specexec_tree_int8 sets draft_int8."""
+    args = vllm_serving.parse_args(["--draft-vocab", "vocab.json", "--draft-dtype", "bfloat16"])
+    for method, int8 in (("specexec_tree", False), ("specexec_tree_int8", True)):
+        command = vllm_serving.server_args(method, args, "DRAFT", 16, concurrency=1)
+        config = json.loads(command[command.index("--speculative-config") + 1])
+        settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
+        assert (settings["draft_vocab"], settings["draft_dtype"], settings["draft_int8"]) == ("vocab.json", "bfloat16",
+                                                                                             int8)
+        assert config["method"] == "custom_class" and settings["step_budget"] == 16
     draft_model = vllm_serving.server_args("draft_model", args, "DRAFT", 16, concurrency=1)
     assert "vocab.json" not in draft_model[draft_model.index("--speculative-config") + 1]
 

@@ -1,5 +1,5 @@
 """Models and drafts: the default SmolLM2 pair, drafts that share their target's embedding, self-drafts (the target
-quantized), subset heads."""
+quantized), subset heads, int8 draft layers."""
 
 from .default_pair import (
     default_draft_dtype,
@@ -28,6 +28,7 @@ from ..hf.self_draft import (
     save_tuned_exit,
     self_draft,
 )
+from .int8_draft import int8_draft
 from .vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "draft_export_path",
     "export_default_pair",
     "frequent_tokens",
+    "int8_draft",
     "load_default_pair",
     "load_default_target",
     "layer_self_draft",

@@ -151,8 +151,8 @@ def build_draft(
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 storage of a matrix: ``weight ~= q * scale[:, None]``, error at most ``scale / 2``.
 
-    Only a storage format (it halves a shipped fp16 draft): loading dequantizes, and the draft computes in its
-    target's dtype.
+    A storage format (it halves a shipped fp16 draft): loading dequantizes, and the draft computes in its target's
+    dtype, unless :func:`~.int8_draft.int8_draft` converts it back to these rows to compute in int8.
 
     Args:
         weight: ``[rows, columns]`` floating tensor.
