@@ -34,6 +34,7 @@ Run (root): .venv/bin/python benchmarks/ssd.py   (about 45 minutes on the 2-core
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import gc
 import json
@@ -62,7 +63,7 @@ from offload import disk_read_seconds, forward_seconds, load_draft  # noqa: E402
 
 import specexec_hf  # noqa: E402
 from specexec_hf.hf.learnt_state import learnt_state_of  # noqa: E402
-from specexec_hf.models import native_bfloat16_cpu, target_cache_dir  # noqa: E402
+from specexec_hf.models import int8_draft, native_bfloat16_cpu, target_cache_dir  # noqa: E402
 from specexec_hf.offload import layer_streamer, load_offloaded  # noqa: E402
 from specexec_hf.offload.direct_io import BLOCK  # noqa: E402
 from specexec_hf.offload.layout import auto_prefetch  # noqa: E402
@@ -358,12 +359,22 @@ def methods(draft, args) -> dict[str, dict]:
         compared[f"HF assisted ({tokens} tokens)"] = {
             "assistant_model": draft, "num_assistant_tokens": tokens, "num_assistant_tokens_schedule": "constant",
             "assistant_confidence_threshold": 0.0}
+    int8 = int8_copy(draft) if args.draft_int8 else None
     for budget in args.budgets:
         compared[f"SpecExec budget {budget}"] = {"assistant_model": draft, "speculator": "specexec", "budget": budget}
         if args.draft_ahead:
             compared[f"SpecExec budget {budget} + draft ahead"] = {
                 **compared[f"SpecExec budget {budget}"], "draft_ahead": True}
+        if int8 is not None:
+            compared[f"SpecExec budget {budget}, int8 draft"] = {
+                **compared[f"SpecExec budget {budget}"], "assistant_model": int8}
     return compared
+
+
+def int8_copy(draft):
+    """The draft with its decoder layers in int8 (``int8_draft``), sharing the float draft's embedding and head."""
+    shared = {id(module): module for module in (draft.get_input_embeddings(), draft.get_output_embeddings())}
+    return int8_draft(copy.deepcopy(draft, memo=shared))
 
 
 def timed(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict[str, Any]:
@@ -693,6 +704,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", nargs="+", default=["8", "16", "32", "64", "128", "256", "auto"])
     parser.add_argument("--draft-ahead", action="store_true",
                         help="also each budget with draft_ahead=True (the draft grows on while the target verifies)")
+    parser.add_argument("--draft-int8", action="store_true",
+                        help="also each budget with the draft's decoder layers in int8 (specexec_hf.models.int8_draft)")
     parser.add_argument("--assistant-tokens", type=int, nargs="*", default=[],
                         help="HF assisted with constant chains of these lengths, besides its defaults")
     parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 4, 16, 64, 256])

@@ -149,3 +149,21 @@ def test_arguments_quick_defaults_and_prefetch(capsys):
         with pytest.raises(SystemExit):
             ssd.parse_args(["--prefetch", bad])
         assert "--prefetch takes a positive integer or 'auto'" in capsys.readouterr().err
+
+
+def test_int8_draft_methods_share_the_float_draft_s_embedding_and_head():
+    from conftest import tiny_model
+
+    from specexec_hf.models.int8_draft import Int8LlamaDecoderLayer
+
+    draft = tiny_model("llama", dtype=torch.float32)
+    compared = ssd.methods(draft, ssd.parse_args(["--budgets", "8", "16", "--draft-int8"]))
+    assert [name for name in compared if "int8" in name] == ["SpecExec budget 8, int8 draft",
+                                                             "SpecExec budget 16, int8 draft"]
+    int8 = compared["SpecExec budget 8, int8 draft"]["assistant_model"]
+    assert int8 is compared["SpecExec budget 16, int8 draft"]["assistant_model"] is not draft
+    assert all(type(layer) is Int8LlamaDecoderLayer for layer in int8.model.layers)
+    assert type(draft.model.layers[0]) is not Int8LlamaDecoderLayer
+    assert int8.get_input_embeddings() is draft.get_input_embeddings()
+    assert int8.get_output_embeddings() is draft.get_output_embeddings()
+    assert not any("int8" in name for name in ssd.methods(draft, ssd.parse_args(["--budgets", "8"])))
