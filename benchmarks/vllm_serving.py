@@ -75,8 +75,8 @@ PROMPTS = [
     "User: What should I pack for a weekend hiking trip?\nAssistant:",
     "User: Can you explain what a computer program is to a child?\nAssistant:",
 ]
-# Not one of PROMPTS, so the measured requests find no prefix-cache blocks the warm-up left behind.
 TREE_METHODS = ("specexec_tree", "specexec_tree_int8")
+# Not one of PROMPTS, so the measured requests find no prefix-cache blocks the warm-up left behind.
 WARMUP_PROMPT = "User: Hello! How are you today?\nAssistant:"
 WARMUP_TOKENS = 16  # at most: enough to run prefill, drafting and verification once each
 SPEC_COUNTERS = {

@@ -44,7 +44,7 @@ def rounded_operands(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 def random_llama(seed: int, heads: int, groups: int, head_dim: int, layers: int) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=48, hidden_size=heads * head_dim, intermediate_size=24 + 8 * seed % 40, num_hidden_layers=layers,
+        vocab_size=48, hidden_size=heads * head_dim, intermediate_size=17 + seed % 40, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads // groups, head_dim=head_dim,
         max_position_embeddings=256, attn_implementation="sdpa", tie_word_embeddings=False,
     )
@@ -95,13 +95,14 @@ def test_int8_layers_compute_the_float_layers_with_int8_rounded_operands(seed, h
                                past_key_values=cache, use_cache=True).logits
             outputs.append(logits)
             caches.append(cache)
-    # Same arithmetic in another order: the int32 sums are exact, the float ones round; a rounding difference can
-    # move one activation across an int8 step, hence a tolerance of a fraction of the output's scale.
-    scale = outputs[0].abs().max()
-    assert torch.allclose(outputs[1], outputs[0], atol=2e-3 * scale, rtol=0)
-    for ours, theirs in zip(caches[1].layers, caches[0].layers):
-        assert torch.allclose(ours.keys, theirs.keys, atol=2e-3 * theirs.keys.abs().max(), rtol=0)
-        assert torch.allclose(ours.values, theirs.values, atol=2e-3 * theirs.values.abs().max(), rtol=0)
+    # Same arithmetic in another order: the int32 sums are exact, the float ones round (1e-7), but a rounding
+    # difference can move an activation across an int8 step (1/127 of its row's maximum) and later rows with it,
+    # hence a tolerance of a few steps of the output's scale. A missing rotation, norm or mask is off by far more.
+    for ours, theirs in [(outputs[1], outputs[0])] + [
+        (mine, reference) for layer, other in zip(caches[1].layers, caches[0].layers)
+        for mine, reference in ((layer.keys, other.keys), (layer.values, other.values))
+    ]:
+        assert torch.allclose(ours, theirs, atol=3 / 127 * theirs.abs().max(), rtol=0)
 
 
 def test_int8_layers_hold_int8_rows_fused_and_convert_once():

@@ -83,6 +83,25 @@ def test_default_pair_shapes_and_shared_embedding(pair: tuple) -> None:
 
 @needs_smollm2
 @needs_draft
+def test_the_int8_draft_multiplies_the_shipped_int8_rows_and_proposes_as_the_float_draft(pair: tuple) -> None:
+    from safetensors.torch import load_file
+
+    target, floating, _ = pair
+    _, int8, _ = models.load_default_pair(draft_int8=True)
+    stored = load_file(models.DRAFT_WEIGHTS_PATH)
+    layer = int8.model.layers[1]
+    names = [f"model.layers.1.self_attn.{name}_proj.weight" for name in "qkv"]
+    assert torch.equal(layer.qkv_proj.rows_t, torch.cat([stored[name] for name in names]).t())
+    assert torch.allclose(layer.qkv_proj.scales, torch.cat([stored[name + ".int8_scale"] for name in names]))
+    assert int8.get_input_embeddings().weight is not floating.get_input_embeddings().weight  # another pair's target
+    input_ids = torch.tensor([[1, 504, 3458, 314, 253, 1326, 30, 2730, 282, 1345, 314]])
+    with torch.inference_mode():
+        expected, logits = floating(input_ids=input_ids).logits, int8(input_ids=input_ids).logits
+    assert (logits[0].argmax(-1) == expected[0].argmax(-1)).float().mean() >= 0.8
+
+
+@needs_smollm2
+@needs_draft
 def test_a_draft_in_another_dtype_copies_the_embedding_and_proposes_as_the_shared_one(pair: tuple) -> None:
     target, shared, _ = pair
     _, own, _ = models.load_default_pair(draft_dtype=torch.bfloat16)
