@@ -798,7 +798,7 @@ def write_report(report: dict[str, Any], results: list[MethodResult], output: Pa
     report["goals"] = goals(results)
     output.write_text(json.dumps(report, indent=2))
     lines = [markdown_table(results), ""]
-    lines += [f"- {g['goal']}: {g['ratio']:.2f}x ({g['best_tree_method']}, budget {g['best_tree_budget']}), "
+    lines += [f"- {g['goal']}: {g['ratio']:.3f}x ({g['best_tree_method']}, budget {g['best_tree_budget']}), "
               f"{'met' if g['met'] else 'not met'}" for g in report["goals"]]  # fmt: skip
     lines += [f"- FAILED: {f['concurrency']} client(s), {f['method']} (budget {f['budget']}): "
               f"{f['error'].splitlines()[0]}" for f in report["failed"]]  # fmt: skip
