@@ -668,15 +668,9 @@ def draft_timing(
     with torch.no_grad():
         cache = DynamicCache()
         draft(input_ids=history[:, :-1], past_key_values=cache, use_cache=True)
-        times = []
-        for _ in range(repeats + 1):
-            synchronize(device)
-            started = time.perf_counter()
-            draft(input_ids=history[:, -1:], past_key_values=cache, use_cache=True)
-            synchronize(device)
-            times.append(time.perf_counter() - started)
-            cache.crop(-1)
-        result["one_token_forward_seconds"] = median(times[1:])
+        result["one_token_forward_seconds"] = warm_median_seconds(
+            lambda: draft(input_ids=history[:, -1:], past_key_values=cache, use_cache=True), repeats, device,
+            between=lambda: cache.crop(-1))
         if device.type == "cuda":
             result["one_token_forward_kernel_seconds"] = kernel_seconds(
                 lambda: draft(input_ids=history[:, -1:], past_key_values=cache, use_cache=True), device)
@@ -707,6 +701,22 @@ def draft_timing(
     return result
 
 
+def warm_median_seconds(
+    work: Callable[[], Any], repeats: int, device: torch.device, between: Callable[[], Any] = lambda: None
+) -> float:
+    """Median seconds of ``repeats`` calls of ``work`` after a first call whose time is dropped (the warm-up), each
+    from an idle device to its end; ``between`` runs untimed after every call."""
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        started = time.perf_counter()
+        work()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+        between()
+    return median(times[1:])
+
+
 def tree_feed_forward(
     draft: LlamaForCausalLM, history: torch.Tensor, rows: int, repeats: int, device: torch.device
 ) -> dict[str, Any]:
@@ -723,16 +733,6 @@ def tree_feed_forward(
     visible[0, 0, :, context:] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
     feed = {"input_ids": tokens, "position_ids": positions, "attention_mask": visible, "use_cache": True,
             "logits_to_keep": rows}
-
-    def timed(forward: Callable[[], Any]) -> float:
-        times = []
-        for _ in range(repeats + 1):
-            synchronize(device)
-            started = time.perf_counter()
-            forward()
-            synchronize(device)
-            times.append(time.perf_counter() - started)
-        return median(times[1:])
 
     result: dict[str, Any] = {"rows": rows, "context_tokens": context}
     with torch.no_grad():
@@ -756,8 +756,8 @@ def tree_feed_forward(
             return draft(**feed, past_key_values=static, cache_position=slots).logits
 
         result["static_max_abs_difference"] = float((dynamic_forward() - static_forward()).abs().max())
-        result["dynamic_cache_seconds"] = timed(dynamic_forward)
-        result["static_cache_seconds"] = timed(static_forward)
+        result["dynamic_cache_seconds"] = warm_median_seconds(dynamic_forward, repeats, device)
+        result["static_cache_seconds"] = warm_median_seconds(static_forward, repeats, device)
         if device.type == "cuda":
             try:
                 side = torch.cuda.Stream()
@@ -769,7 +769,7 @@ def tree_feed_forward(
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     static_forward()
-                result["cuda_graph_seconds"] = timed(graph.replay)
+                result["cuda_graph_seconds"] = warm_median_seconds(graph.replay, repeats, device)
             except Exception as error:  # a forward that cannot be captured says why instead of a figure
                 result["cuda_graph_error"] = f"{type(error).__name__}: {error}"[:300]
     return result

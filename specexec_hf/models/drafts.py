@@ -160,9 +160,15 @@ def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     Returns:
         ``(q int8, scale float32 [rows])``.
     """
-    scale = weight.detach().abs().amax(dim=1).float().clamp(min=1e-12) / 127
-    q = torch.round(weight.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    scale = int8_row_scales(weight)
+    q = torch.round(weight.detach().float() / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale[:, 0]
+
+
+def int8_row_scales(rows: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 scale of each row of a ``[..., columns]`` tensor, ``[..., 1]`` float32: its absolute maximum
+    over 127 (at least ``1e-12 / 127``, so an all-zero row divides to zeros)."""
+    return rows.detach().abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-12).div_(127)
 
 
 def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
-from .drafts import quantize_rows_int8
+from .drafts import int8_row_scales, quantize_rows_int8
 
 
 class Int8Matrix(nn.Module):
@@ -42,8 +42,8 @@ class Int8Matrix(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        x_scales = flat.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
-        quantized = torch.round(flat / x_scales).to(torch.int8)
+        x_scales = int8_row_scales(flat)
+        quantized = torch.round(flat / x_scales).to(torch.int8)  # |flat / x_scales| <= 127 by the scales' definition
         product = torch._int_mm(quantized, self.rows_t).float().mul_(x_scales).mul_(self.scales)
         return product.view(*x.shape[:-1], -1)
 
