@@ -469,7 +469,7 @@ def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, 
         settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
         settings["step_budget"] = budget
         settings.update({"draft_dtype": args.draft_dtype, "draft_vocab": args.draft_vocab,  # null: unset
-                         "draft_int8": method == "specexec_tree_int8"})
+                         "draft_int8": method == "specexec_tree_int8", "min_draft_gain": args.min_draft_gain})
     return [*common, "--speculative-config", json.dumps(config)]
 
 
@@ -756,6 +756,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(the whole vocabulary); default: the proposer's (the draft folder's "
                              "specexec_draft_vocab.json where it has one: with --default-pair the shipped draft's "
                              "8192, as generate() runs it; else the whole vocabulary).")  # fmt: skip
+    parser.add_argument("--min-draft-gain", type=float,
+                        help="Trees' min_draft_gain (the search stops once a draft forward adds less than this "
+                             "share of the step's forecast tokens); default: the proposer's.")  # fmt: skip
     parser.add_argument("--cache-fraction", type=float,
                         help="With --offload (root, cgroup v1): cap each server at its memory after the warm-up "
                              "plus this fraction of the target's checkpoint bytes.")  # fmt: skip
@@ -833,6 +836,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "offload": None if args.offload is None else str(args.offload),
         "offload_prefetch": args.offload_prefetch if args.offload is not None else None,
         "tree_draft_dtype": args.draft_dtype,
+        "tree_min_draft_gain": args.min_draft_gain,
         "tree_draft_vocab": args.draft_vocab,
         "cache_fraction": args.cache_fraction,
         "disconnects": args.disconnects,

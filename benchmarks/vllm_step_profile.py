@@ -17,7 +17,8 @@ engine step's parts:
 - ``other``: the rest of the step (vLLM's own bookkeeping between those calls).
 
 Each figure is the mean over the decode steps (steps that schedule no prompt tokens) in seconds, with the mean
-scheduled tokens per step. ``--cprofile FILE`` also writes the functions with the most own time over the whole run.
+scheduled tokens per step. ``--cprofile FILE`` also writes the functions with the most own and cumulative time
+over the whole run.
 
     python benchmarks/vllm_step_profile.py --default-pair --offload /var/tmp/vs_offload --concurrency 1 \\
         --method specexec_tree --budget 16 --requests 4 --max-tokens 32 --output runs/profile_c1_b16.json
@@ -181,13 +182,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-budget", type=int, help="Nodes per request's tree before the step's cut.")
     parser.add_argument("-k", type=int, default=4, help="draft_model's chain length.")
     parser.add_argument("--draft-dtype", help="specexec_tree's draft dtype; default: the proposer's.")
+    parser.add_argument("--draft-int8", action="store_true", help="specexec_tree's draft in int8 layers (draft_int8).")
     parser.add_argument("--draft-vocab",
                         help="specexec_tree's draft vocabulary: a JSON list file, or 'all'; default: the proposer's "
                              "(with --default-pair: the shipped draft's 8192 tokens).")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=1, help="Requests running at once (max_num_seqs).")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--cprofile", type=Path, help="Also write cProfile's top functions (own time) here.")
+    parser.add_argument("--cprofile", type=Path,
+                        help="Also write cProfile's top functions (own and cumulative time) here.")
     parser.add_argument("--output", type=Path, required=True, help="JSON report.")
     return parser.parse_args(argv)
 
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if tree:
             settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
             settings.update({"step_budget": args.budget, "draft_dtype": args.draft_dtype,
-                             "draft_vocab": args.draft_vocab})  # fmt: skip
+                             "draft_vocab": args.draft_vocab, "draft_int8": args.draft_int8})  # fmt: skip
         llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512,
                   max_num_seqs=args.concurrency, seed=0, speculative_config=config)  # fmt: skip
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "offload_prefetch": args.offload_prefetch if args.offload else None,
         "draft_dtype": args.draft_dtype,
+        "draft_int8": args.draft_int8 if tree else None,
         "draft_vocab": None if args.draft_vocab is None else Path(args.draft_vocab).name,
         "ring_mib": clock.ring_mib,
         "requests": args.requests,
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.output.write_text(json.dumps(report, indent=1))
     if profiler:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
         args.cprofile.write_text(text.getvalue())
     print(json.dumps({k: v for k, v in report.items() if k != "outputs"}, indent=1))
     return report

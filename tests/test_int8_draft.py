@@ -17,15 +17,16 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specexec_hf.models.drafts import dequantize_rows_int8, quantize_rows_int8
-from specexec_hf.models.int8_draft import Int8LlamaDecoderLayer, int8_draft
+from specexec_hf.models.int8_draft import Int8LlamaDecoderLayer, Int8LMHead, Int8SubsetLMHead, int8_draft
+from specexec_hf.models.vocab import restrict_draft_vocabulary
 
 
 class RoundedOperandsLinear(torch.nn.Module):
     """The reference: a float product whose weight rows and input rows are first rounded to int8 and back."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = dequantize_rows_int8(*quantize_rows_int8(linear.weight))
+        self.weight = dequantize_rows_int8(*quantize_rows_int8(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, scales = quantize_rows_int8(x.reshape(-1, x.shape[-1]))
@@ -38,7 +39,8 @@ def rounded_operands(model: LlamaForCausalLM) -> LlamaForCausalLM:
         for owner in (layer.self_attn, layer.mlp):
             for name, child in list(owner.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(owner, name, RoundedOperandsLinear(child))
+                    setattr(owner, name, RoundedOperandsLinear(child.weight))
+    reference.lm_head = RoundedOperandsLinear(reference.lm_head.weight)
     return reference
 
 
@@ -115,7 +117,40 @@ def test_int8_layers_hold_int8_rows_fused_and_convert_once():
     held = sum(b.numel() * b.element_size() for b in converted.model.layers.buffers())
     held += sum(p.numel() * p.element_size() for p in converted.model.layers.parameters())
     assert held < float_bytes / 2
+    head = converted.get_output_embeddings()
+    assert type(head) is Int8LMHead and head.rows.rows_t.dtype == torch.int8 and head.out_features == 48
     assert list(int8_draft(converted).model.layers) == layers  # idempotent
+    assert converted.get_output_embeddings() is head
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), columns=st.integers(1, 48), rows=st.integers(1, 12))
+def test_an_int8_subset_head_scores_its_columns_as_the_rounded_float_head(seed, columns, rows):
+    model = random_llama(seed, 2, 1, 8, 1)
+    token_ids = torch.randperm(48, generator=torch.Generator().manual_seed(seed))[:columns]
+    restrict_draft_vocabulary(model, token_ids)
+    float_head = model.get_output_embeddings()
+    expected = RoundedOperandsLinear(float_head.weight)
+    head = int8_draft(model).get_output_embeddings()
+    assert type(head) is Int8SubsetLMHead and torch.equal(head.token_ids, float_head.token_ids)
+    hidden = torch.randn(1, rows, 16, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full, reference = head(hidden), expected(hidden)
+        with head.compact_scores() as ids:
+            compact = head(hidden)
+    assert torch.equal(ids, float_head.token_ids) and compact.shape == (1, rows, columns)
+    assert torch.equal(full[..., ids], compact)
+    outside = torch.ones(48, dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isneginf(full[..., outside]).all())
+    # int32 sums are exact; the float scaling rounds differently from the reference's float product
+    assert torch.allclose(compact, reference, atol=1e-5 * (1 + reference.abs().max()), rtol=1e-5)
+
+
+def test_a_head_it_does_not_convert_stays_float():
+    model = random_llama(2, 2, 1, 8, 1)
+    model.lm_head = torch.nn.Linear(16, 48, bias=True)
+    assert int8_draft(model).lm_head is model.lm_head
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,10 @@ On a CPU the draft's tree forwards (1-16 rows each) spend most of their time in 
 shipped draft's matrices are int8 with per-row scales anyway (:func:`~.drafts.quantize_rows_int8`; the load
 dequantizes them). :func:`int8_draft` swaps each decoder layer for an :class:`Int8LlamaDecoderLayer` that keeps the
 matrices as int8 (the query, key and value projections as one matrix, the gate and up projections as another) and
-multiplies them with ``torch._int_mm`` after quantizing each activation row to int8 by its own absolute maximum. On
-this project's 2-core CPU that made the shipped draft's forwards 1.3-1.5x faster at 1-32 rows; see
-``docs/drafts.md`` for the measured effect on SpecExec.
+multiplies them with ``torch._int_mm`` after quantizing each activation row to int8 by its own absolute maximum;
+its LM head gets int8 rows the same way (:func:`int8_head`). On this project's 2-core CPU the layers made the shipped
+draft's forwards 1.3-1.5x faster at 1-32 rows and the head another 1.1-1.25x; see ``docs/drafts.md`` for the
+measured effect on SpecExec.
 
 Only the draft's proposals change (by the activations' rounding): the target verifies every token, so the output is
 the target's whatever the draft computes. Why not a library: PyTorch's dynamic int8 linear
@@ -24,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
 from .drafts import int8_row_scales, quantize_rows_int8
+from .vocab import SubsetLMHead
 
 
 class Int8Matrix(nn.Module):
@@ -98,6 +100,54 @@ class Int8LlamaDecoderLayer(nn.Module):
         return hidden_states + self.down_proj(self.act_fn(gate) * up)
 
 
+class Int8SubsetLMHead(SubsetLMHead):
+    """A :class:`~.vocab.SubsetLMHead` whose scored rows are int8 (:class:`Int8Matrix`); full-width or compact
+    scores as the float head gives them.
+
+    Args:
+        head: The float subset head it replaces (its token ids are kept, its rows quantized).
+    """
+
+    def __init__(self, head: SubsetLMHead):
+        nn.Module.__init__(self)  # the subset was chosen and checked when ``head`` was built
+        self.out_features = head.out_features
+        self.register_buffer("token_ids", head.token_ids)
+        self.rows = Int8Matrix(head.weight)
+
+    def scores(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.rows(rows)
+
+
+class Int8LMHead(nn.Module):
+    """A bias-free linear LM head over the whole vocabulary, its rows int8 (:class:`Int8Matrix`).
+
+    Args:
+        head: The float head it replaces; a head shared with the target stays the target's, the draft gets an int8
+            copy (a quarter of its bytes).
+    """
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.out_features = head.out_features  # as nn.Linear names its output width
+        self.rows = Int8Matrix(head.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.rows(hidden)
+
+
+def int8_head(head: nn.Module) -> nn.Module | None:
+    """The int8 form of a float32 CPU LM head :func:`int8_draft` converts (a bias-free ``nn.Linear`` or a
+    :class:`~.vocab.SubsetLMHead`), else ``None``: the head stays as it is."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if type(head) is SubsetLMHead:
+        return Int8SubsetLMHead(head)
+    if type(head) is nn.Linear and head.bias is None:
+        return Int8LMHead(head)
+    return None
+
+
 def int8_refusal(draft: PreTrainedModel) -> str | None:
     """Why :func:`int8_draft` cannot convert ``draft`` (``None``: it can)."""
     if type(draft) is not modeling_llama.LlamaForCausalLM:
@@ -118,8 +168,10 @@ def int8_refusal(draft: PreTrainedModel) -> str | None:
 
 
 def int8_draft(draft: PreTrainedModel) -> PreTrainedModel:
-    """Swaps ``draft``'s decoder layers for :class:`Int8LlamaDecoderLayer` in place (layers already swapped stay);
-    returns ``draft``. Its float matrices are dropped, so the draft holds a quarter of their bytes.
+    """Swaps ``draft``'s decoder layers for :class:`Int8LlamaDecoderLayer` and its LM head for an int8 one
+    (:func:`int8_head`; another kind of head stays float) in place, what is already int8 staying; returns ``draft``.
+    Its float matrices are dropped, so the draft holds a quarter of their bytes (a head shared with the target stays
+    the target's, and the draft holds an int8 copy).
 
     Raises:
         ValueError: The draft is not a float32 Llama on the CPU with SDPA attention and bias-free projections; the
@@ -133,4 +185,7 @@ def int8_draft(draft: PreTrainedModel) -> PreTrainedModel:
             layer if type(layer) is Int8LlamaDecoderLayer else Int8LlamaDecoderLayer(layer)
             for layer in draft.model.layers
         )
+        head = int8_head(draft.get_output_embeddings())
+        if head is not None:
+            draft.set_output_embeddings(head)
     return draft.eval()

@@ -58,8 +58,12 @@ class SubsetLMHead(nn.Module):
             if outermost:
                 heads.discard(id(self))
 
+    def scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden] -> [n, len(token_ids)]``: the scored columns only."""
+        return head_product(rows, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = head_product(hidden.reshape(-1, hidden.shape[-1]), self.weight).reshape(*hidden.shape[:-1], -1)
+        scores = self.scores(hidden.reshape(-1, hidden.shape[-1])).reshape(*hidden.shape[:-1], -1)
         if id(self) in getattr(_COMPACT, "heads", ()):
             return scores
         logits = scores.new_full((*scores.shape[:-1], self.out_features), float("-inf"))
