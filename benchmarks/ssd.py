@@ -372,7 +372,8 @@ def methods(draft, args) -> dict[str, dict]:
 
 
 def int8_copy(draft):
-    """The draft with its decoder layers in int8 (``int8_draft``), sharing the float draft's embedding and head."""
+    """The draft with its decoder layers and head in int8 (``int8_draft``), sharing the float draft's embedding (its
+    float head is not copied first: the copy's head is replaced, the float draft keeps its own)."""
     shared = {id(module): module for module in (draft.get_input_embeddings(), draft.get_output_embeddings())}
     return int8_draft(copy.deepcopy(draft, memo=shared))
 

@@ -151,10 +151,10 @@ def test_arguments_quick_defaults_and_prefetch(capsys):
         assert "--prefetch takes a positive integer or 'auto'" in capsys.readouterr().err
 
 
-def test_int8_draft_methods_share_the_float_draft_s_embedding_and_head():
+def test_int8_draft_methods_share_the_float_draft_s_embedding_and_leave_its_head():
     from conftest import tiny_model
 
-    from specexec_hf.models.int8_draft import Int8LlamaDecoderLayer
+    from specexec_hf.models.int8_draft import Int8LlamaDecoderLayer, Int8LMHead
 
     draft = tiny_model("llama", dtype=torch.float32)
     compared = ssd.methods(draft, ssd.parse_args(["--budgets", "8", "16", "--draft-int8"]))
@@ -165,5 +165,6 @@ def test_int8_draft_methods_share_the_float_draft_s_embedding_and_head():
     assert all(type(layer) is Int8LlamaDecoderLayer for layer in int8.model.layers)
     assert type(draft.model.layers[0]) is not Int8LlamaDecoderLayer
     assert int8.get_input_embeddings() is draft.get_input_embeddings()
-    assert int8.get_output_embeddings() is draft.get_output_embeddings()
+    assert type(int8.get_output_embeddings()) is Int8LMHead
+    assert type(draft.get_output_embeddings()) is torch.nn.Linear
     assert not any("int8" in name for name in ssd.methods(draft, ssd.parse_args(["--budgets", "8"])))
