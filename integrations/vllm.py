@@ -68,13 +68,13 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.config import SpecExecConfig
-from ..core.precision import native_bfloat16_cpu
 from ..core.search import SearchResult, tree_policy
 from ..core.step_budget import share_budget
 from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
 from ..hf.learnt_state import LearntState
+from ..models.default_pair import default_draft_dtype
 from ..models.int8_draft import int8_draft
 from ..models.vocab import restrict_draft_vocabulary
 from ..offload.direct_io import Span, WeightFile, aligned_empty, plan_reads, round_up
@@ -137,7 +137,7 @@ class ProposerSettings:
     Args:
         draft_model: Path or hub id of the draft, a causal LM sharing the target's tokenizer.
         draft_dtype: Torch dtype name for the draft (``"float32"``, ``"bfloat16"``...); ``None``: see
-            :func:`default_draft_dtype`.
+            :func:`engine_draft_dtype`.
         specexec: Tree-growth knobs; ``max_depth`` is further capped by ``num_speculative_tokens``.
         tree_verification: Propose the whole tree and verify it in one target forward
             (:mod:`specexec_hf.patches.vllm_tree`) instead of its best chain.
@@ -215,6 +215,11 @@ class ProposerSettings:
                 f"{FULL_VOCABULARY!r} to score the whole vocabulary."
             )
         draft_int8 = bool(_parse_knob("draft_int8", "bool", raw.get("draft_int8", False)))
+        if draft_int8 and raw.get("draft_dtype") not in (None, "float32"):
+            raise ValueError(
+                f"draft_int8=true computes the draft's layers in int8 over float32 activations, not "
+                f"draft_dtype={raw['draft_dtype']!r}: set draft_dtype to \"float32\" or leave it unset."
+            )
         return cls(
             str(raw["draft_model"]), raw.get("draft_dtype"), specexec, bool(tree), offload, prefetch, step_budget,
             tree_search, draft_vocab, draft_int8,
@@ -250,21 +255,20 @@ def distilled_vocab_file(draft_model: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def default_draft_dtype(device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
-    """The draft's dtype when ``draft_dtype`` is unset: bfloat16 for a float32 target on a CPU with native bfloat16
-    matmuls (AVX512-BF16 or AMX), else the target's.
+def engine_draft_dtype(device: torch.device, target_dtype: torch.dtype, draft_int8: bool = False) -> torch.dtype:
+    """The draft's dtype when ``draft_dtype`` is unset: on a CPU, :func:`~specexec_hf.models.default_draft_dtype`
+    (bfloat16 for a float32 target where the CPU has native bfloat16 matmuls, float32 for an int8 draft); elsewhere
+    the target's.
 
-    There a small draft's matmuls run 2-4x faster in bfloat16 (576 x 1536 at 16 rows: 0.30 ms in float32, 0.14 ms in
-    bfloat16 on an AVX512-BF16 EPYC); only the proposals change, never what the target outputs. Without native
-    support bfloat16 is emulated and slower than float32.
+    On an AVX512-BF16 EPYC a small draft's matmuls run 2-4x faster in bfloat16 (576 x 1536 at 16 rows: 0.30 ms in
+    float32, 0.14 ms in bfloat16); only the proposals change, never what the target outputs.
 
     Args:
         device: The engine's device.
         target_dtype: The target's dtype.
+        draft_int8: Whether the draft's layers are computed in int8 (the ``draft_int8`` setting).
     """
-    if device.type != "cpu" or target_dtype != torch.float32:
-        return target_dtype
-    return torch.bfloat16 if native_bfloat16_cpu() else target_dtype
+    return default_draft_dtype(target_dtype, draft_int8) if device.type == "cpu" else target_dtype
 
 
 def one_thread_hint(device: torch.device, threads: int, cores: int, binding: str | None) -> str | None:
@@ -427,7 +431,7 @@ class SpecExecProposer:
         dtype = (
             getattr(torch, self.settings.draft_dtype)
             if self.settings.draft_dtype
-            else default_draft_dtype(self.device, self.target_dtype)
+            else engine_draft_dtype(self.device, self.target_dtype, self.settings.draft_int8)
         )
         draft = AutoModelForCausalLM.from_pretrained(
             self.settings.draft_model, dtype=dtype, attn_implementation="sdpa"

@@ -123,6 +123,17 @@ def test_a_draft_in_another_dtype_copies_the_embedding_and_proposes_as_the_share
         models.load_default_pair(draft_dtype="bf16")
 
 
+@needs_draft
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_an_int8_draft_is_float32_on_either_kind_of_cpu(monkeypatch: pytest.MonkeyPatch, native: str) -> None:
+    monkeypatch.setenv("SPECEXEC_NATIVE_BFLOAT16", native)
+    assert models.default_draft_dtype(torch.float32) == (torch.bfloat16 if native == "1" else torch.float32)
+    assert models.default_draft_dtype(torch.float32, draft_int8=True) == torch.float32
+    # Refused before any model is loaded, naming the setting to change.
+    with pytest.raises(ValueError, match=r"draft_int8=True .* not torch.bfloat16: pass draft_dtype=torch.float32"):
+        models.load_default_pair(draft_dtype=torch.bfloat16, draft_int8=True)
+
+
 @needs_smollm2
 @needs_draft
 def test_target_greedy_generate_runs(pair: tuple) -> None:

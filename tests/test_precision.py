@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specexec_hf import SpecExecStats, StepStats
-from specexec_hf.core.precision import greedy_choice, rounding_bound
+from specexec_hf.core.precision import greedy_choice, native_bfloat16_cpu, rounding_bound
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
@@ -110,3 +110,12 @@ def test_stats_print_a_summary_and_keep_their_steps():
     assert "steps=2" in text and "near_ties=3" in text and "tokens_per_target_forward=2.50" in text
     assert "StepStats" not in text and stats.steps == steps
     assert stats.near_tied_positions == [1, 3, 4]
+
+
+def test_the_environment_overrides_the_native_bfloat16_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    for forced, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("SPECEXEC_NATIVE_BFLOAT16", forced)
+        assert native_bfloat16_cpu() is expected
+    monkeypatch.setenv("SPECEXEC_NATIVE_BFLOAT16", "yes")
+    with pytest.raises(ValueError, match="SPECEXEC_NATIVE_BFLOAT16='yes': set it to 1 or 0"):
+        native_bfloat16_cpu()

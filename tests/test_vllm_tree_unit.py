@@ -372,15 +372,25 @@ def test_draft_vocab_setting(tmp_path):
 
 
 @pytest.mark.parametrize("avx512_bf16, amx", [(True, False), (False, True), (False, False)])
-def test_default_draft_dtype_is_bfloat16_only_for_a_float32_target_on_a_native_bf16_cpu(monkeypatch, avx512_bf16, amx):
-    from specexec_hf.integrations.vllm import default_draft_dtype
+def test_engine_draft_dtype_is_bfloat16_only_for_a_float32_target_on_a_native_bf16_cpu(monkeypatch, avx512_bf16, amx):
+    from specexec_hf.integrations.vllm import engine_draft_dtype
 
+    monkeypatch.delenv("SPECEXEC_NATIVE_BFLOAT16", raising=False)  # CI forces it either way; this test probes
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     native = torch.bfloat16 if avx512_bf16 or amx else torch.float32
-    assert default_draft_dtype(torch.device("cpu"), torch.float32) == native
-    assert default_draft_dtype(torch.device("cpu"), torch.float16) == torch.float16
-    assert default_draft_dtype(torch.device("cuda"), torch.float32) == torch.float32
+    assert engine_draft_dtype(torch.device("cpu"), torch.float32) == native
+    assert engine_draft_dtype(torch.device("cpu"), torch.float32, draft_int8=True) == torch.float32
+    assert engine_draft_dtype(torch.device("cpu"), torch.float16) == torch.float16
+    assert engine_draft_dtype(torch.device("cuda"), torch.float32) == torch.float32
+
+
+def test_int8_draft_setting_refuses_a_non_float32_draft_dtype():
+    from specexec_hf.integrations.vllm import ProposerSettings
+
+    with pytest.raises(ValueError, match=r"draft_int8=true .* float32 activations, not draft_dtype='bfloat16'"):
+        ProposerSettings.from_sources({"draft_model": "d", "draft_int8": True, "draft_dtype": "bfloat16"}, {})
+    assert ProposerSettings.from_sources({"draft_model": "d", "draft_int8": True, "draft_dtype": "float32"}, {})
 
 
 class _FakeRunner:

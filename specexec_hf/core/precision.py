@@ -30,8 +30,12 @@ logit); in float32, a few parts in a million of the logits.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+NATIVE_BFLOAT16_ENV = "SPECEXEC_NATIVE_BFLOAT16"
+"""Environment variable that overrides :func:`native_bfloat16_cpu`'s probe (``1`` or ``0``)."""
 
 ACCUMULATOR_EPS = torch.finfo(torch.float32).eps
 """Kernels accumulate 16-bit dot products in float32 (CPU and GPU matmuls alike), float32 ones in float32."""
@@ -76,6 +80,14 @@ def greedy_choice(scores: torch.Tensor, eps: float, reduction: int) -> torch.Ten
 def native_bfloat16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX). There a small draft's forward
     in bfloat16 takes about 40% less time than in float32 (SmolLM2's draft on a 2-core EPYC); without, bfloat16
-    matmuls convert every operand and a bfloat16 forward over many tokens is several times slower than float32."""
+    matmuls convert every operand and a bfloat16 forward over many tokens is several times slower than float32.
+
+    ``SPECEXEC_NATIVE_BFLOAT16=1`` (or ``0``) overrides the probe, so that one machine can run what either kind of
+    CPU would choose (CI runs the dtype-dependent tests both ways); any other value is refused."""
+    forced = os.environ.get(NATIVE_BFLOAT16_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{NATIVE_BFLOAT16_ENV}={forced!r}: set it to 1 or 0, or unset it to probe the CPU.")
+        return forced == "1"
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)

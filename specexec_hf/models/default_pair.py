@@ -146,10 +146,13 @@ def draft_export_path(name: str) -> Path:
     return weights
 
 
-def default_draft_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The shipped draft's dtype beside a target in ``dtype`` on the CPU: bfloat16 where the CPU computes it
+def default_draft_dtype(dtype: torch.dtype, draft_int8: bool = False) -> torch.dtype:
+    """The draft's dtype beside a target in ``dtype`` on the CPU: float32 for a draft whose layers are computed in
+    int8 (:func:`~.int8_draft.int8_draft` takes float32 activations), else bfloat16 where the CPU computes it
     natively and the target is in float32, else the target's. The draft's dtype changes only its proposals, never
     the output (the target verifies every token)."""
+    if draft_int8:
+        return torch.float32
     return torch.bfloat16 if dtype == torch.float32 and native_bfloat16_cpu() else dtype
 
 
@@ -162,23 +165,30 @@ def load_default_pair(
         dtype: Parameter dtype of the target.
         draft_dtype: The draft's dtype, or ``"auto"`` (:func:`default_draft_dtype`). In the target's dtype the draft
             shares the target's embedding; in another it holds its own copy.
-        draft_int8: Compute the draft's decoder layers in int8 (:func:`~.int8_draft.int8_draft`; a float32 draft):
-            faster drafting on a CPU, slightly different proposals, the same output.
+        draft_int8: Compute the draft's decoder layers in int8 (:func:`~.int8_draft.int8_draft`, over float32
+            activations, which ``"auto"`` then picks): faster drafting on a CPU, slightly different proposals, the
+            same output.
 
     Returns:
         ``(target, draft, tokenizer)``.
 
     Raises:
         FileNotFoundError: The shipped draft weights are missing.
+        ValueError: ``draft_dtype`` is neither a dtype nor ``"auto"``, or not float32 with ``draft_int8``.
     """
     if not DRAFT_WEIGHTS_PATH.is_file() or not DRAFT_META_PATH.is_file():
         raise FileNotFoundError(
             f"The shipped draft {DRAFT_WEIGHTS_PATH} (or its {DRAFT_META_PATH.name}) is missing. {_DISTILL_HINT}"
         )
     if draft_dtype == "auto":
-        draft_dtype = default_draft_dtype(dtype)
+        draft_dtype = default_draft_dtype(dtype, draft_int8)
     elif not isinstance(draft_dtype, torch.dtype):
         raise ValueError(f"draft_dtype must be a torch.dtype or 'auto', got {draft_dtype!r}.")
+    elif draft_int8 and draft_dtype != torch.float32:
+        raise ValueError(
+            f"draft_int8=True computes the draft's layers in int8 over float32 activations, not {draft_dtype}: "
+            "pass draft_dtype=torch.float32 or 'auto'."
+        )
     target, tokenizer = load_default_target(dtype)
     draft = load_draft_export(target, DRAFT_WEIGHTS_PATH, draft_dtype)
     return target, int8_draft(draft) if draft_int8 else draft, tokenizer
