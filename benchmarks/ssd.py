@@ -221,16 +221,21 @@ def cap_figures(cap: MemoryCap | None, entry: dict[str, Any]) -> None:
 
 @contextmanager
 def streamed_target(
-    checkpoint: Path, cap: MemoryCap | None, prefetch: int | str, fraction: float = 0.0, dtype: torch.dtype | None = None
+    checkpoint: Path,
+    cap: MemoryCap | None,
+    prefetch: int | str | None,
+    fraction: float = 0.0,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[torch.nn.Module, dict[str, Any]]]:
     """The checkpoint's model with every weight on disk, run by the stream executor, and the cap's figures.
 
     The cap is set before the target loads (what the process uses then plus ``fraction`` of the weights), so the
     ring, the activations and the page cache all come out of that room, and ``prefetch="auto"`` sizes the ring from
-    it as on a machine with that little memory. ``dtype``: the model's (``None``: the checkpoint's). On exit the model
-    is freed and the cap lifted."""
+    it as on a machine with that little memory. ``prefetch``: ``None`` leaves ``load_offloaded``'s default.
+    ``dtype``: the model's (``None``: the checkpoint's). On exit the model is freed and the cap lifted."""
     entry = capped(cap, (checkpoint / "model.safetensors").stat().st_size, fraction)
-    with released(load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", prefetch=prefetch, dtype=dtype),
+    read_ahead = {} if prefetch is None else {"prefetch": prefetch}
+    with released(load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", dtype=dtype, **read_ahead),
                   cap) as model:
         yield model, entry
 
@@ -408,44 +413,59 @@ def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
     entry: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     evict(weights)
-    weights_bytes = weights.stat().st_size
     with streamed_target(checkpoint, cap, args.end_to_end_prefetch, args.weights_memory) as (model, capped_entry):
-        ring_bytes = layer_streamer(model).buffer_bytes
-        entry.update(capped_entry, ring_bytes=ring_bytes, prefetch=layer_streamer(model).prefetch,
-                     weights_memory=args.weights_memory)
-        if cap is not None and ring_bytes >= args.weights_memory * weights_bytes:
-            raise SystemExit(f"The ring ({ring_bytes / 1e6:.0f} MB) leaves nothing of --weights-memory "
-                             f"{args.weights_memory} for activations: raise it, or pass a smaller "
-                             "--end-to-end-prefetch.")
-        # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens) run with the cap
-        # lifted, the ring having been sized under it. The measured runs are then capped at the process's usage
-        # (draft, runtime, ring, what the warm-ups left) plus what the ring left of the target's room: so the
-        # ring, the activations and the page cache share --weights-memory of the weights all told.
-        if cap is not None:
-            cap.limit(None)
-        for kwargs in compared.values():
-            model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
-        evict(weights)
-        if cap is not None:
-            entry.update(capped(cap, weights_bytes, args.weights_memory, ring_bytes),
-                         ring_sized_under=capped_entry)
-        rows = []
-        for index, inputs in enumerate(prompts):
-            reference = None
-            for method, kwargs in compared.items():
-                row = {"prompt": index, "method": method, **timed(model, inputs, args.max_new_tokens, kwargs)}
-                reference = reference or row["tokens"]
-                row["equals_plain_greedy"] = row["tokens"] == reference
-                rows.append(row)
-                print(f"  prompt {index} {method:<26} {len(row['tokens']) / row['seconds']:6.2f} tok/s"
-                      f"{'' if row['equals_plain_greedy'] else '  DIFFERS'}", flush=True)
-        cap_figures(cap, entry)
+        rows = measure_capped(model, cap, capped_entry, entry, weights, args.weights_memory, prompts, compared,
+                              args.max_new_tokens)
         autos = learnt_state_of(draft).auto_budgets.get(model, {})
         if autos:  # what budget="auto" chose with at the end: its timings, acceptance and modelled tokens/s
             entry["auto_budget"] = [auto.describe() for auto in autos.values()]
     entry["methods"] = summarize(rows)
     entry["rows"] = rows
     return entry
+
+
+def measure_capped(model, cap: MemoryCap | None, capped_entry: dict[str, Any], entry: dict[str, Any], weights: Path,
+                   weights_memory: float, prompts: list[dict], compared: dict[str, dict], max_new_tokens: int,
+                   label: str = "") -> list[dict[str, Any]]:
+    """Every method of ``compared`` on every prompt, the streamed ``model`` under the cap: the rows, each output
+    checked against the first method's (plain greedy); ``entry`` gets the ring's and the cap's figures.
+
+    Args:
+        model: The target :func:`streamed_target` loaded (its ring sized under the cap, ``capped_entry``).
+        weights: The target's weight file (evicted from the page cache before the timed runs).
+        weights_memory: The memory the target gets in all, ring included, as a share of its weights.
+        label: Appended to each row's method name (e.g. the read-ahead depth).
+    """
+    weights_bytes = weights.stat().st_size
+    ring_bytes = layer_streamer(model).buffer_bytes
+    entry.update(capped_entry, ring_bytes=ring_bytes, prefetch=layer_streamer(model).prefetch,
+                 weights_memory=weights_memory)
+    if cap is not None and ring_bytes >= weights_memory * weights_bytes:
+        raise SystemExit(f"The ring ({ring_bytes / 1e6:.0f} MB) leaves nothing of --weights-memory "
+                         f"{weights_memory} for activations: raise it, or read fewer units ahead.")
+    # Warm-ups (lazy initialisations, budget="auto"'s timing forwards over up to 1025 tokens) run with the cap
+    # lifted, the ring having been sized under it. The measured runs are then capped at the process's usage
+    # (draft, runtime, ring, what the warm-ups left) plus what the ring left of the target's room: so the
+    # ring, the activations and the page cache share the weights' room all told.
+    if cap is not None:
+        cap.limit(None)
+    for kwargs in compared.values():
+        model.generate(**prompts[0], max_new_tokens=4, do_sample=False, **kwargs)
+    evict(weights)
+    if cap is not None:
+        entry.update(capped(cap, weights_bytes, weights_memory, ring_bytes), ring_sized_under=capped_entry)
+    rows = []
+    for index, inputs in enumerate(prompts):
+        reference = None
+        for method, kwargs in compared.items():
+            row = {"prompt": index, "method": method + label, **timed(model, inputs, max_new_tokens, kwargs)}
+            reference = reference or row["tokens"]
+            row["equals_plain_greedy"] = row["tokens"] == reference
+            rows.append(row)
+            print(f"  prompt {index} {row['method']:<26} {len(row['tokens']) / row['seconds']:6.2f} tok/s"
+                  f"{'' if row['equals_plain_greedy'] else '  DIFFERS'}", flush=True)
+    cap_figures(cap, entry)
+    return rows
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
