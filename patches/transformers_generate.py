@@ -2,10 +2,13 @@
 
 Two wrappers, both reverted together:
 
-- ``generate``: without ``speculator=`` it calls the original untouched (assisted generation and everything
+- ``generate``: without a speculator it calls the original untouched (assisted generation and everything
   else keep working); with ``speculator="specexec"`` it routes the call through the original ``generate`` with
   SpecExec as its ``custom_generate`` callable, so argument handling, generation configs, logits processors,
-  stopping criteria and streamers are transformers' own.
+  stopping criteria and streamers are transformers' own. The speculator is the keyword's when given (``None``
+  turns SpecExec off), else the ``speculator`` field of the call's ``generation_config`` when it has one, else
+  that of ``model.generation_config`` (which ``generation_config.json`` loads): a ``GenerationConfig``
+  carries SpecExec's settings as it carries transformers' own (:mod:`specexec_hf.hf.settings`).
 - ``_extract_generation_mode_kwargs``: transformers hands a ``custom_generate`` callable only the keyword
   arguments its signature adds, dropping the draft, the streamer and the tokenizer (so ``stop_strings`` fail).
   For SpecExec's callable alone, the wrapper passes them on as the built-in decoding modes get them.
@@ -27,6 +30,7 @@ from transformers.generation.utils import GenerationMixin
 
 SUPPORTED_VERSIONS = SpecifierSet(">=5.16,<6")
 SPECULATORS = ("specexec",)
+_GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
 _EXTRACT_PARAMETERS = ["self", "custom_generate", "kwargs", "synced_gpus", "assistant_model", "streamer"]
 _originals: dict[str, Callable] = {}
 
@@ -60,21 +64,36 @@ def apply() -> None:
         return
     check_version()
     from specexec_hf.hf.generation import generate as specexec_generate
+    from specexec_hf.hf.settings import SPECULATOR_FIELD
 
     original = GenerationMixin.generate
     original_extract = GenerationMixin._extract_generation_mode_kwargs
 
+    def configured_speculator(model, args: tuple, kwargs: dict) -> str | None:
+        """The speculator of the call's generation config where it names one (``None`` included), else the
+        model's (transformers fills the call's config with the model's own fields)."""
+        passed = _GENERATE_SIGNATURE.bind_partial(model, *args, **kwargs).arguments.get("generation_config")
+        config = passed if hasattr(passed, SPECULATOR_FIELD) else model.generation_config
+        return getattr(config, SPECULATOR_FIELD, None)
+
     @functools.wraps(original)
-    def generate(self, *args, speculator: str | None = None, **kwargs):
-        if speculator is None:
+    def generate(self, *args, **kwargs):
+        keyword = SPECULATOR_FIELD in kwargs
+        speculator = kwargs.pop(SPECULATOR_FIELD) if keyword else configured_speculator(self, args, kwargs)
+        # A custom_generate keyword wins over a speculator the generation config names.
+        if speculator is None or (not keyword and kwargs.get("custom_generate") is not None):
             return original(self, *args, **kwargs)
+        source = "" if keyword else " (set by the generation config's speculator field)"
         if speculator not in SPECULATORS:
-            raise ValueError(f"Unknown speculator={speculator!r}; specexec_hf provides {list(SPECULATORS)}.")
+            raise ValueError(
+                f"Unknown speculator={speculator!r}{source}; specexec_hf provides {list(SPECULATORS)}."
+            )
         if kwargs.get("custom_generate") is not None:
             raise ValueError("Pass either speculator= or custom_generate=, not both.")
         if kwargs.get("assistant_model") is None:
             raise ValueError(
-                'speculator="specexec" needs a draft: pass assistant_model=<small causal LM with the same tokenizer>.'
+                f'speculator="specexec"{source} needs a draft: pass assistant_model=<small causal LM with the same '
+                "tokenizer>" + (", or speculator=None to decode without SpecExec." if source else ".")
             )
         # As draft_model= the draft reaches SpecExec directly, and transformers does not treat the call as its
         # own assisted generation (whose checks would pre-empt SpecExec's clearer ones).

@@ -38,7 +38,7 @@ from ..core.search import (
 )
 from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
-from .compat import check_supported
+from .compat import check_supported, logits_width, usable_vocabulary_size
 from .draft_cache import DraftCache, forward_feeds, scored_columns
 from .forward import Feed
 
@@ -46,6 +46,9 @@ SAMPLED_AFTER = 1
 """With ``sampled_children``, how many of a node's children are its top tokens, fixed, before the drawn ones: where
 the target is confident (often one-hot after top-p) its draw hits the draft's top token more often than a draw from
 the draft would be accepted."""
+STAND_IN_TOKEN = 0
+"""What the draft reads in place of a committed token it has no embedding for (a padded target's id past the draft's
+vocabulary): any id would do, since the history only shapes the draft's guesses, never the output."""
 
 
 class SpecExecCandidateGenerator:
@@ -72,6 +75,11 @@ class SpecExecCandidateGenerator:
             :meth:`draft_probs`). A drawn candidate's ranking score is that of the draft's token of the same rank:
             it must not depend on which token was drawn, or keeping the candidate would bias the draw. Needs a
             policy that ``draws_children``.
+        target_vocab_size: How many logits the target produces per token. A draft sharing the target's tokenizer
+            may be padded to another size: it proposes only the ids both produce (an id only one side has is never
+            proposed; the target's own choice still comes as the bonus token), reads a committed id it lacks as
+            :data:`STAND_IN_TOKEN`, and its drawn children's distributions span the target's ids. ``None``: the
+            draft's own size.
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class SpecExecCandidateGenerator:
         context_match_weights: Sequence[float] = (),
         acceptance_map: AcceptanceMap | None = None,
         sampled_children: bool = False,
+        target_vocab_size: int | None = None,
     ):
         check_supported(draft_model, "draft")
         if not isinstance(search, SearchPolicy):
@@ -113,6 +122,12 @@ class SpecExecCandidateGenerator:
         self.context_match_weights = tuple(context_match_weights)
         self.acceptance_map = acceptance_map
         self.sampled_children = sampled_children
+        self.target_vocab_size = logits_width(draft_model) if target_vocab_size is None else target_vocab_size
+        # The ids (0 up to it) the draft reads and proposes: those both models have.
+        self.shared_vocab_size = min(usable_vocabulary_size(draft_model), self.target_vocab_size)
+        self._draft_width = logits_width(draft_model)
+        # Scored columns below shared_vocab_size, per column set (one host read per head, not per forward).
+        self._shared_columns: tuple[torch.Tensor, int] | None = None
         self.draft_cache = DraftCache(draft_model)
         # This tree's expansions, for acceptance_map to learn from and the walk to verify sampled children against;
         # kept on the device until the walk needs a few rows.
@@ -150,6 +165,8 @@ class SpecExecCandidateGenerator:
         if input_ids.shape[0] != 1:
             raise ValueError(f"SpecExec drafts one sequence at a time; got a batch of {input_ids.shape[0]}.")
         history = input_ids[0].tolist()
+        if self.shared_vocab_size < self.target_vocab_size:  # the target may have committed ids the draft lacks
+            history = [token if token < self.shared_vocab_size else STAND_IN_TOKEN for token in history]
         self._expansions, self._tree_rows = [], None
         grown_ahead, self._grown_ahead = self._grown_ahead, False
         search = None
@@ -219,6 +236,7 @@ class SpecExecCandidateGenerator:
                 "sampled_children); pass full-vocabulary logits."
             )
         self.draft_cache.record_feed(pool, nodes)
+        logits, columns = self._shared_ids(logits, columns)
         # Dividing by 1.0 would still copy the [nodes, vocab] logits.
         scaled = logits if self.temperature == 1.0 else logits / self.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
@@ -230,6 +248,20 @@ class SpecExecCandidateGenerator:
         if self.acceptance_map is None and not self.sampled_children:
             return logprobs
         return self._ranked_children(nodes, logprobs, columns)
+
+    def _shared_ids(
+        self, logits: torch.Tensor, columns: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's scores of the ids below :attr:`shared_vocab_size` alone (and their columns): a draft padded wider
+        than the target, or with fewer embedding rows than logits, never proposes an id the other side lacks."""
+        if self.shared_vocab_size == self._draft_width:
+            return logits, columns
+        if columns is None:
+            return logits[..., : self.shared_vocab_size], None
+        if self._shared_columns is None or self._shared_columns[0] is not columns:
+            self._shared_columns = (columns, int(torch.searchsorted(columns, self.shared_vocab_size)))
+        kept = self._shared_columns[1]
+        return logits[..., :kept], columns[:kept]
 
     def _ranked_children(
         self, nodes: torch.Tensor, logprobs: torch.Tensor, columns: torch.Tensor | None = None
@@ -267,7 +299,10 @@ class SpecExecCandidateGenerator:
         return self._drawn_from(*found)
 
     def _drawn_from(self, expansion: int, row: int) -> torch.Tensor:
-        return torch.softmax(self._expansions[expansion].logprobs[row].double(), dim=-1)
+        """``[target_vocab_size]`` the draft distribution an expansion row's children were drawn from (zero past the
+        draft's ids), beside the target's distribution at the node."""
+        probs = torch.softmax(self._expansions[expansion].logprobs[row].double(), dim=-1)
+        return torch.nn.functional.pad(probs, (0, self.target_vocab_size - probs.numel()))
 
     def _rows_of(self, result: SearchResult) -> list[tuple[int, int] | None]:
         """Per node of ``result.tree``, the ``(expansion, row)`` of this tree's search that expanded it, or ``None``

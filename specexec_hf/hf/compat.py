@@ -7,12 +7,13 @@ import itertools
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from ..core.masks import causal_pattern, chain_and_tree_mask
 from .attention_spans import SUPPORTED_LAYER_TYPES, attention_spans, decoder_layer_types
 from .forward import VERIFIED_MODEL_TYPES, Feed, model_logits
 from .kv import new_cache
+from .settings import SPECULATOR_FIELD
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 # Position biases computed from the 2-D padding mask, which a tree's 4-D mask and positions cannot steer.
@@ -115,8 +116,65 @@ def logits_width(model: PreTrainedModel) -> int:
     return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
-def check_same_vocabulary(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    check_draft_vocabulary(logits_width(target), draft)
+def usable_vocabulary_size(model: PreTrainedModel) -> int:
+    """How many token ids (``0`` up to it) ``model`` both reads (input embedding rows) and scores (logits)."""
+    return min(logits_width(model), model.get_input_embeddings().weight.shape[0])
+
+
+def check_same_tokenizer(tokenizer: Any = None, assistant_tokenizer: Any = None) -> None:
+    """Refuses a draft whose tokenizer maps tokens to other ids than the target's, as far as ``generate()`` was
+    told: its ``tokenizer=`` (the target's) and ``assistant_tokenizer=`` (the draft's), as HF assisted generation
+    takes them, are compared by vocabulary (``get_vocab()``, token to id). The models' sizes prove nothing either
+    way: a pair sharing a tokenizer may pad its embeddings to different sizes (Qwen2.5-0.5B-Instruct has 151936
+    rows, Qwen2.5-7B-Instruct 152064), so without both tokenizers the draft is taken to share the target's.
+
+    Raises:
+        ValueError: when only ``assistant_tokenizer`` is given, or when the two vocabularies differ (the message
+            names the first difference).
+    """
+    if assistant_tokenizer is None:
+        return
+    if tokenizer is None:
+        raise ValueError(
+            "assistant_tokenizer= is compared with the target's tokenizer, which generate() was not given: pass "
+            "tokenizer=<the target's tokenizer> too, or neither."
+        )
+    if assistant_tokenizer is tokenizer:
+        return
+    target_vocab, draft_vocab = tokenizer.get_vocab(), assistant_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    raise ValueError(
+        f"The draft's tokenizer is not the target's: compared by vocabulary (get_vocab(), token -> id; "
+        f"{len(draft_vocab)} entries against {len(target_vocab)}), {_first_difference(target_vocab, draft_vocab)}. "
+        "SpecExec compares token ids directly, so the draft must use the target's tokenizer (its embeddings may be "
+        "padded to another size): pick a draft from the same model family, or distill one with "
+        "`specexec-hf distill`. For a draft with another tokenizer, drop speculator='specexec': transformers' "
+        "universal assisted decoding translates between tokenizers."
+    )
+
+
+def _first_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int]) -> str:
+    """The first token, by the target's ids and then the draft's, that the two vocabularies map differently."""
+    for token, index in sorted(target_vocab.items(), key=lambda item: item[1]):
+        other = draft_vocab.get(token)
+        if other != index:
+            where = "absent from the draft's" if other is None else f"id {other} in the draft's"
+            return f"the target's token {token!r} is id {index}, {where}"
+    index, token = min((index, token) for token, index in draft_vocab.items() if token not in target_vocab)
+    return f"the draft's token {token!r} (id {index}) is absent from the target's"
+
+
+def check_intermediate_vocabulary(target: PreTrainedModel, intermediate: PreTrainedModel) -> None:
+    """Raises ``ValueError`` unless a draft hierarchy's intermediate model scores exactly the target's ids (the
+    target verifies the tokens it adds to the tree, so it may not be padded to another size, as a draft may)."""
+    sizes = logits_width(intermediate), logits_width(target)
+    if sizes[0] != sizes[1]:
+        raise ValueError(
+            f"The intermediate model's vocabulary ({sizes[0]} logits) does not match the target's ({sizes[1]}): "
+            "the target verifies the tokens it adds to the draft's tree, so it must use the target's tokenizer and "
+            "vocabulary size. Pick an intermediate_model of the target's size, or a \"self:...\" one."
+        )
 
 
 def check_draft_vocabulary(target_vocab_size: int, draft: PreTrainedModel, target_name: str = "target") -> None:
@@ -183,10 +241,12 @@ def _masked_tokens_probe(model: PreTrainedModel) -> str:
     attended[1::3] = False  # a hole in every window of three, and a masked last token
     mask = attended.long()[None]
     try:
-        plain = model.generate(
-            prompt, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=1,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        # Plain decoding even where the model's own generation config names a speculator.
+        plain_decoding = GenerationConfig(
+            max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=1, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0, **{SPECULATOR_FIELD: None},
         )
+        plain = model.generate(prompt, attention_mask=mask, generation_config=plain_decoding)
         count = len(plain.logits)
         tokens = plain.sequences[0, : prompt.shape[1] + count - 1]
         prompt_positions = (attended.long().cumsum(0) - 1).masked_fill(~attended, 0)

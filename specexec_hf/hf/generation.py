@@ -9,7 +9,7 @@ and recording the outputs (:class:`~.outputs.OutputRecorder`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -21,7 +21,10 @@ from ..core.search import SearchPolicy, grow_tree, tree_policy
 from ..core.stats import SpecExecStats
 from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
-from .compat import check_masked_tokens_supported, check_same_vocabulary, check_supported
+from .compat import (
+    check_intermediate_vocabulary, check_masked_tokens_supported, check_same_tokenizer, check_supported,
+    logits_width,
+)
 from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor, check_draft_ahead
 from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
@@ -29,6 +32,7 @@ from .offload_hint import ReadAheadWatch, hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
 from .request import Request, check_budget_fits, validate_request
 from .self_draft import resolve_draft
+from .settings import specexec_settings, warn_unused_assisted_settings
 
 @torch.no_grad()
 def generate(
@@ -56,7 +60,7 @@ def generate(
     draft_ahead: bool | None = None,
     intermediate_model: PreTrainedModel | str | None = None,
     draft_budget: int | None = None,
-    tree_search: SearchPolicy | str = grow_tree,
+    tree_search: SearchPolicy | str | None = None,
     learnt_state: LearntState | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -70,7 +74,8 @@ def generate(
         logits_processor: Prepared by ``generate()``; applied to every verified node (see ``TreeLogitsProcessor``).
         stopping_criteria: Prepared by ``generate()``; checked after every committed token.
         generation_config: ``do_sample`` picks sampling vs greedy; ``return_dict_in_generate``, ``output_scores``
-            and ``output_logits`` are honoured.
+            and ``output_logits`` are honoured. It may hold SpecExec's settings too (the knobs, ``tree_search``,
+            ``draft_budget``; see :mod:`.settings`), which the keyword arguments override.
         synced_gpus: Unsupported; must be False.
         streamer: Receives committed tokens in order.
         assistant_model: The draft, as ``generate(assistant_model=...)`` passes it.
@@ -79,7 +84,8 @@ def generate(
             ``"self:skip:<layers>"``, the target's own layers (:func:`~.self_draft.resolve_draft`),
             which ``speculator="specexec"`` accepts as ``assistant_model`` too (transformers' own checks would
             reject a string there on the ``custom_generate=`` route).
-        specexec_config: Tree-growth knobs; the individual knob arguments below override it.
+        specexec_config: Tree-growth knobs; the individual knob arguments below override it, and it overrides the
+            generation config's knobs.
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, min_draft_gain, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children, draft_ahead: see :class:`SpecExecConfig`;
@@ -93,7 +99,8 @@ def generate(
             :data:`~.hierarchy.HIERARCHY_DRAFT_FACTOR` times ``budget``.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
-            :data:`~specexec_hf.core.search.TREE_POLICIES`); the acceptance map and drawn children apply to policies
+            :data:`~specexec_hf.core.search.TREE_POLICIES`); ``None``: the generation config's, else SpecExec's
+            ``grow_tree``. The acceptance map and drawn children apply to policies
             that support them (``ranks_children``, ``draws_children``). ``"sequoia"`` by name learns its acceptance
             vector in ``learnt_state``, so calls with the same draft go on learning (a ``SequoiaSearch`` object keeps
             its own) and, with ``budget="auto"``, picks each tree's size and depth from the measured forward times.
@@ -101,25 +108,30 @@ def generate(
             ``budget="auto"``'s estimates are read and taught; ``None``: the state the draft carries
             (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep learning. Pass a separate
             :class:`~.learnt_state.LearntState` to keep a run's learning apart.
-        tokenizer, assistant_tokenizer: Accepted from ``generate()``, which already built ``stop_strings``
-            criteria with the tokenizer; SpecExec needs the draft to share the target's token ids.
+        tokenizer, assistant_tokenizer: The target's and the draft's tokenizers, as HF assisted generation takes
+            them (``generate()`` already built ``stop_strings`` criteria with the first): when both are given they
+            are compared, and a draft with another tokenizer is refused (:func:`~.compat.check_same_tokenizer`). A
+            draft sharing the target's tokenizer may be padded to another vocabulary size: it proposes only the ids
+            both models have.
         model_kwargs: What ``generate()`` prepared: ``attention_mask`` and ``position_ids`` (any padding or holes),
             per-token inputs such as ``token_type_ids``, and its own cache bookkeeping (see
             :mod:`specexec_hf.hf.request`).
     """
+    warn_unused_assisted_settings(generation_config)
+    config, settings = specexec_settings(generation_config, specexec_config, dict(
+        budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
+        max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
+        context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
+        sampled_children=sampled_children, draft_ahead=draft_ahead, tree_search=tree_search, draft_budget=draft_budget,
+    ))
+    tree_search, draft_budget = settings["tree_search"] or grow_tree, settings["draft_budget"]
     by_name = isinstance(tree_search, str)
     tree_search = tree_policy(tree_search) if by_name else tree_search  # an unknown name fails before any work
     draft_model, request = _checked_request(
         model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
-        model_kwargs, synced_gpus,
+        model_kwargs, synced_gpus, tokenizer, assistant_tokenizer,
     )
     hint_streaming_executor(model)
-    config = (specexec_config or SpecExecConfig()).updated(
-        budget=budget, max_depth=max_depth, max_branch=max_branch, expand_per_forward=expand_per_forward,
-        max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
-        context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
-        sampled_children=sampled_children, draft_ahead=draft_ahead,
-    )
     if config.budget != "auto":
         check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
     intermediate = _checked_intermediate(model, intermediate_model, draft_budget, config, request, generation_config)
@@ -160,6 +172,8 @@ def _checked_request(
     generation_config: GenerationConfig,
     model_kwargs: dict,
     synced_gpus: bool,
+    tokenizer: Any = None,
+    assistant_tokenizer: Any = None,
 ) -> tuple[PreTrainedModel, Request]:
     """The draft (a ``"self:..."`` spec resolved) and the checked request, or a clear error before any work."""
     draft_model = resolve_draft(model, draft_model) if isinstance(draft_model, str) else draft_model
@@ -172,7 +186,7 @@ def _checked_request(
     request = validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
     if request.has_masked_tokens:
         check_masked_tokens_supported(model)
-    check_same_vocabulary(model, draft_model)
+    check_same_tokenizer(tokenizer, assistant_tokenizer)
     return draft_model, request
 
 
@@ -215,7 +229,7 @@ def _checked_intermediate(
         intermediate_model
     )
     check_supported(intermediate_model, "intermediate")
-    check_same_vocabulary(model, intermediate_model)
+    check_intermediate_vocabulary(model, intermediate_model)
     check_budget_fits(intermediate_model, request.input_ids.shape[1], generation_config.max_length, draft_budget)
     return IntermediateDraft(intermediate_model, request, config.budget, draft_budget)
 
@@ -246,7 +260,7 @@ def _decoder(
         acceptance_map=state.acceptance_map(
             draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
-        sampled_children=sampled_children,
+        sampled_children=sampled_children, target_vocab_size=logits_width(model),
     )
     auto_budget = state.auto_budget(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
     costs = (auto_budget.target_seconds, auto_budget.draft_forward_seconds) if auto_budget is not None else None

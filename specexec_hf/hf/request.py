@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from .attention_spans import attention_spans
-from .compat import execution_device, logits_width
+from .compat import execution_device, logits_width, usable_vocabulary_size
 
 # generate()'s own decoding bookkeeping and output flags, which SpecExec's loop replaces or honours itself.
 REPLACED_INPUTS = frozenset({
@@ -103,7 +103,8 @@ def validate_request(
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"SpecExec generates one sequence at a time, got a batch of {input_ids.shape[0]}. Call generate() per "
-            "prompt (batched serving is what the vLLM integration is for)."
+            "prompt; from a pipeline, pass batch_size=1 (its default), since batch_size > 1 batches its prompts "
+            "into one generate() call. Batched serving is what the vLLM integration is for."
         )
     if synced_gpus:
         raise ValueError("SpecExec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
@@ -132,7 +133,7 @@ def validate_request(
         raise ValueError(
             "The prompt is empty: SpecExec continues a prompt, so pass at least one token (e.g. the BOS token)."
         )
-    vocab = min(logits_width(model), model.get_input_embeddings().weight.shape[0])
+    vocab = usable_vocabulary_size(model)
     outside = prompt[(prompt < 0) | (prompt >= vocab)]
     if outside.numel():
         raise ValueError(
