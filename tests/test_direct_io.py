@@ -247,10 +247,11 @@ def test_a_truncated_offload_file_is_refused_when_the_streamer_is_planned(tmp_pa
 
 
 class _Usage:
-    """What ``shutil.disk_usage`` returns, as far as the free-space check reads it."""
+    """What ``shutil.disk_usage`` returns, as far as the free-space check reads it (a filesystem of some size)."""
 
     def __init__(self, free: int):
         self.free = free
+        self.total = 2**40
 
 
 def test_no_room_for_the_offload_folder_is_refused_before_writing(tmp_path, monkeypatch):

@@ -22,12 +22,13 @@ import logging
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,7 +59,42 @@ _warned_folders: set[str] = set()
 
 
 class WeightFileError(RuntimeError):
-    """A weight file no longer holds what the model was planned on (truncated, rewritten), or a read came up short."""
+    """A weight file is damaged (an unreadable header, truncated) or no longer holds what the model was planned on
+    (rewritten, replaced, deleted), or a read came up short."""
+
+
+class FileIdentity(NamedTuple):
+    """What a weight file's bytes are recognised by: the inode, and what any change of it moves.
+
+    Size and modification time alone miss a rewrite that keeps the size and sets the modification time back
+    (``os.utime``); the status-change time moves with every write and every ``utime``, and nothing but the kernel
+    sets it. ``(device, inode)`` tells the file the model was planned on from another put under its name.
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> FileIdentity:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+    def is_file_of(self, status: os.stat_result) -> bool:
+        """Whether ``status`` is of this same file (the same inode), changed or not."""
+        return (status.st_dev, status.st_ino) == (self.device, self.inode)
+
+    def change_to(self, now: FileIdentity) -> str:
+        """What changed between this identity and ``now``, of the same inode, in words."""
+        if now.size != self.size:
+            return f"its size went from {self.size} to {now.size} bytes"
+        if now.mtime_ns != self.mtime_ns:
+            return "it was modified"
+        return (
+            "its status-change time moved while its size and modification time stayed: it was rewritten with its "
+            "modification time set back, or its permissions or owner changed"
+        )
 
 
 def aligned_empty(nbytes: int, alignment: int = BLOCK) -> torch.Tensor:
@@ -109,11 +145,11 @@ class WeightFile:
     """A weight file opened once, read with ``O_DIRECT`` where its filesystem allows it.
 
     Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems), the file is read through the page
-    cache instead, with one warning per folder naming the reason. The size and modification time the file had
-    when it was opened are what every read is checked against (:meth:`check_unchanged`): a file truncated or
-    rewritten in place afterwards raises :class:`WeightFileError` instead of feeding other bytes to the model. A
-    file replaced by another under the same name (a rename) does not affect the open descriptor, which goes on
-    reading the file the model was planned on.
+    cache instead, with one warning per folder naming the reason. The file's :class:`FileIdentity` when it was
+    opened is what every read is checked against (:meth:`check_unchanged`): a file truncated or rewritten in place
+    afterwards (even to the same size, its modification time set back), deleted, moved, or replaced by another
+    under the same name raises :class:`WeightFileError` instead of going on with other bytes than loading the
+    model from its files again would give.
 
     Args:
         path: The file.
@@ -122,6 +158,7 @@ class WeightFile:
 
     def __init__(self, path: str | os.PathLike, direct: bool = True):
         self.path = os.fspath(path)
+        self._absolute_path = os.path.abspath(self.path)  # what the name is checked by, whatever the working folder
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._fallback_lock = threading.Lock()
         try:
@@ -131,9 +168,15 @@ class WeightFile:
                 raise
             self.descriptor = os.open(self.path, os.O_RDONLY)
             self._note_fallback(f"open(O_DIRECT) failed: {error.strerror}")
-        stat = os.fstat(self.descriptor)
-        self.size = stat.st_size
-        self._planned = (stat.st_size, stat.st_mtime_ns)
+        status = os.fstat(self.descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            self.close()
+            raise WeightFileError(
+                f"{self.path} is not a regular file (a folder, a device or a pipe), so it holds no weights. Put the "
+                "weight file back and load the model again."
+            )
+        self.size = status.st_size
+        self._planned = FileIdentity.of(status)
         self._mapping: mmap.mmap | None = None
         self._safetensors_header: dict[str, Any] | None = None
         self._data_start = 0
@@ -148,18 +191,35 @@ class WeightFile:
         self.close()
 
     def check_unchanged(self) -> None:
-        """Raises :class:`WeightFileError` if the file's size or modification time changed since it was opened."""
-        stat = os.fstat(self.descriptor)
-        if (stat.st_size, stat.st_mtime_ns) != self._planned:
-            change = (
-                f"its size went from {self._planned[0]} to {stat.st_size} bytes"
-                if stat.st_size != self._planned[0]
-                else "it was modified"
-            )
+        """Raises :class:`WeightFileError` if the file changed since it was opened (its :class:`FileIdentity`), or
+        its name no longer leads to it (deleted, moved, replaced by another file)."""
+        try:
+            named = os.stat(self._absolute_path)
+        except FileNotFoundError:
             raise WeightFileError(
-                f"The weight file {self.path} changed after the model was loaded ({change}): its bytes no longer "
-                "match the planned tensors. Load the model again (and do not rewrite a checkpoint in use)."
+                f"The weight file {self.path} was deleted or moved after the model was loaded. Put it back, or load "
+                "the model again from where its weights are now."
+            ) from None
+        except OSError as error:
+            raise WeightFileError(
+                f"The weight file {self.path} can no longer be checked ({error.strerror}), so the model cannot tell "
+                "that it still reads the bytes it was planned on. Restore access to it and load the model again."
+            ) from error
+        if not self._planned.is_file_of(named):
+            raise self._replaced()
+        now = FileIdentity.of(named)  # the name leads to the open file: its status is the descriptor's
+        if now != self._planned:
+            raise WeightFileError(
+                f"The weight file {self.path} changed after the model was loaded ({self._planned.change_to(now)}): "
+                "its bytes may no longer match the planned tensors. Load the model again (and do not rewrite a "
+                "checkpoint in use)."
             )
+
+    def _replaced(self) -> WeightFileError:
+        return WeightFileError(
+            f"The weight file {self.path} was replaced by another file under the same name after the model was "
+            "loaded (a new inode): the model was planned on the old one. Load the model again."
+        )
 
     def read(self, offset: int, destination: torch.Tensor) -> None:
         """Fills ``destination`` (contiguous ``uint8``) with the bytes at ``offset``, up to the planned file end.
@@ -202,35 +262,68 @@ class WeightFile:
         """``(byte offset, dtype, shape)`` of tensor ``name``, this being a safetensors file.
 
         Raises:
-            WeightFileError: The header names bytes past the end of the file (it was truncated).
+            WeightFileError: The header is damaged (not JSON, an entry that is not a tensor's dtype, shape and byte
+                range of the right length), names a dtype :data:`SAFETENSORS_DTYPES` lacks, or names bytes past the
+                end of the file (it was truncated).
             KeyError: No tensor ``name`` in the file.
         """
         if self._safetensors_header is None:
             self._safetensors_header, self._data_start = self._read_safetensors_header()
+        if name not in self._safetensors_header:
+            raise KeyError(f"{self.path} holds no tensor {name!r}.")
         entry = self._safetensors_header[name]
-        start, end = (self._data_start + offset for offset in entry["data_offsets"])
+        try:
+            dtype_name, shape, (first, last) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(dtype_name)
+            nbytes = math.prod(shape) * dtype.itemsize if dtype is not None else last - first
+            well_formed = 0 <= first and last - first == nbytes
+        except (KeyError, TypeError, ValueError):
+            well_formed = False
+        if not well_formed:
+            raise self._damaged_header(f"its entry for {name!r}, {entry!r:.200}, is not a tensor's dtype, shape and "
+                                       "byte range")
+        if dtype is None:
+            raise WeightFileError(
+                f"{self.path} stores {name!r} as {dtype_name}, which direct reads do not convert (they read "
+                f"{', '.join(SAFETENSORS_DTYPES)}). Save the checkpoint in one of those, or load it in memory."
+            )
+        start, end = self._data_start + first, self._data_start + last
         if end > self.size:
             raise WeightFileError(
                 f"{self.path} is truncated: its header places {name!r} at bytes {start}-{end}, past the file's end "
                 f"({self.size} bytes). Download or save the checkpoint again."
             )
-        return start, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        return start, dtype, shape
 
     def _read_safetensors_header(self) -> tuple[dict[str, Any], int]:
         first = aligned_empty(BLOCK)
         self.read(0, first)
         if self.size < 8:
-            raise WeightFileError(f"{self.path} is not a safetensors file: {self.size} bytes, shorter than a header.")
+            raise WeightFileError(
+                f"{self.path} is not a safetensors file: {self.size} bytes, shorter than a header. Download or save "
+                "the checkpoint again."
+            )
         (length,) = struct.unpack("<Q", first[:8].numpy().tobytes())
         if 8 + length > self.size:
             raise WeightFileError(
                 f"{self.path} is truncated or not a safetensors file: its header claims {length} bytes, the file "
-                f"has {self.size}."
+                f"has {self.size}. Download or save the checkpoint again."
             )
         whole = first if 8 + length <= BLOCK else aligned_empty(round_up(8 + length))
         if whole is not first:
             self.read(0, whole)
-        return json.loads(whole[8 : 8 + length].numpy().tobytes()), 8 + length
+        try:
+            header = json.loads(whole[8 : 8 + length].numpy().tobytes())
+        except ValueError as error:  # not JSON, or not UTF-8
+            raise self._damaged_header(f"it is not JSON: {error}") from error
+        if not isinstance(header, dict):
+            raise self._damaged_header(f"it is a JSON {type(header).__name__}, not an object")
+        return header, 8 + length
+
+    def _damaged_header(self, problem: str) -> WeightFileError:
+        return WeightFileError(
+            f"{self.path} has a damaged safetensors header ({problem}). Download or save the checkpoint again."
+        )
 
     def _fall_back(self, reason: str) -> None:
         """Reopens the file for reads through the page cache (the filesystem refused a direct read)."""
@@ -238,9 +331,9 @@ class WeightFile:
             if not self.direct:
                 return
             buffered = os.open(self.path, os.O_RDONLY)
-            if os.fstat(buffered).st_ino != os.fstat(self.descriptor).st_ino:
+            if not self._planned.is_file_of(os.fstat(buffered)):
                 os.close(buffered)
-                raise WeightFileError(f"{self.path} was replaced after the model was loaded. Load the model again.")
+                raise self._replaced()
             os.dup2(buffered, self.descriptor)
             os.close(buffered)
             self._note_fallback(reason)

@@ -26,17 +26,21 @@ Modules without parameters (rotary embeddings) always stay on the execution devi
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..hf.compat import use_sdpa_attention
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
+from .direct_io import WeightFileError
 from .folder import leave_on_meta, stored_tensors, write_offload_folder
 from .quantize import check_quantize, packed_dtypes, quantize_layers
 from .stream import LayerStreamer, layer_streamer
@@ -157,6 +161,7 @@ def stream_on_device(
     offload_folder: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     prefetch: int = 1,
+    expand_quantized: bool = True,
 ) -> PreTrainedModel:
     """Runs a model on an accelerator under ``device_map``, streaming its CPU- and disk-placed units.
 
@@ -174,6 +179,10 @@ def stream_on_device(
         offload_folder: As for :func:`load_offloaded`.
         dtype: As for :func:`load_offloaded`.
         prefetch: Units loaded ahead of the one computing (the device ring has ``prefetch + 1`` slots).
+        expand_quantized: Stream quantized (optimum-quanto int4/int8) linear weights packed and expand them into
+            dense weights on the device, so that their layers multiply as plain ``nn.Linear`` layers (the default);
+            ``False``: quanto's kernels on the packed weights (see
+            :meth:`~.device_stream.DeviceLayerStreamer.install_on_device`).
 
     Returns:
         The model in eval mode; ``hf_device_map`` is ``device_map``.
@@ -183,7 +192,7 @@ def stream_on_device(
         model = _dispatch_in_memory_model(path_or_model, host_map, offload_folder, dtype)
     else:
         model = _dispatch_checkpoint(path_or_model, host_map, offload_folder, dtype)
-    DeviceLayerStreamer.install_on_device(model, device_map, device, prefetch)
+    DeviceLayerStreamer.install_on_device(model, device_map, device, prefetch, expand_quantized)
     model.hf_device_map = dict(device_map)
     return model.eval()
 
@@ -289,15 +298,54 @@ def _dispatch_checkpoint(
     path: str | os.PathLike, device_map: dict[str, int | str], offload_folder: str | os.PathLike | None,
     dtype: torch.dtype | None,
 ) -> PreTrainedModel:
-    """``from_pretrained`` with the per-unit map: accelerate hooks read disk weights from the checkpoint itself."""
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        device_map=device_map,
-        offload_folder=offload_folder,
-        dtype=dtype or "auto",
-        attn_implementation="sdpa",
-    )
+    """``from_pretrained`` with the per-unit map: accelerate hooks read disk weights from the checkpoint itself.
+
+    Raises:
+        WeightFileError: A safetensors file of the checkpoint is damaged (its header unreadable, or the file shorter
+            than its header says), named with the fix: safetensors' own error names neither.
+        PermissionError: A safetensors file of the checkpoint may not be read, named with the fix (safetensors
+            says it does not exist).
+    """
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            device_map=device_map,
+            offload_folder=offload_folder,
+            dtype=dtype or "auto",
+            attn_implementation="sdpa",
+        )
+    except (SafetensorError, FileNotFoundError) as error:
+        named = _checkpoint_file_error(path, error)
+        if named is None:
+            raise
+        raise named from error
     return use_sdpa_attention(model)
+
+
+def _checkpoint_file_error(path: str | os.PathLike, error: Exception) -> Exception | None:
+    """The error to raise for ``error``, raised as checkpoint ``path`` loaded: naming the first of its safetensors
+    files (where ``path`` is a local folder) that this process may not read or safetensors cannot open, and the fix;
+    ``None`` for a file that is missing indeed."""
+    for file in sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else ():
+        if not os.access(file, os.R_OK):
+            return PermissionError(
+                errno.EACCES,
+                f"The checkpoint file {file} may not be read by this user. Give it read access (chmod a+r) or load a "
+                "copy it can read.",
+            )
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError as damage:
+            return WeightFileError(
+                f"The checkpoint file {file} is damaged ({damage}). Download or save the checkpoint again."
+            )
+    if isinstance(error, FileNotFoundError):
+        return None
+    return WeightFileError(
+        f"A safetensors file of the checkpoint {path} is damaged ({error}). Download it again "
+        "(from_pretrained(..., force_download=True)) or save it again."
+    )
 
 
 def _dispatch_in_memory_model(
