@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,142 @@ def test_documented_commands_parse(where, command, complete):
         parser.parse_args(argv)
     except SystemExit as exit:
         assert exit.code == 0, f"{where}: `{command}` does not parse"
+
+
+def refusal(capsys, *options: str) -> str:
+    """Runs `specexec-hf generate` with ``options``, expecting a refusal; returns its one line on stderr."""
+    capsys.readouterr()  # what came before, such as the progress bars of models being saved
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["generate", "--prompt", PROMPT, *options])
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("specexec-hf generate: error: ") and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails the test when the command gets as far as loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(bench, "load_models", refuse)
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_draft(tmp_path_factory) -> Path:
+    """A draft whose character-level tokenizer covers 48 characters, where the pair's covers 64."""
+    path = tmp_path_factory.mktemp("other_tokenizer")
+    tiny_model("llama", seed=3, vocab_size=48).save_pretrained(path)
+    tiny_tokenizer(vocab_size=48).save_pretrained(path)
+    return path
+
+
+def test_budget_auto_is_taken(pair, plain_greedy_text, capsys):
+    target_dir, draft_dir = pair
+    answer, report = generate(capsys, "--target", str(target_dir), "--draft", str(draft_dir), "--budget", "auto")
+    assert answer == plain_greedy_text + "\n"
+    assert "tokens per target forward" in report
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--budget", "0"), ("--budget", "-2"), ("--budget", "many"), ("--max-new-tokens", "0"), ("--max-depth", "0"),
+     ("--max-branch", "-1"), ("--temperature", "-0.5"), ("--temperature", "nan"), ("--top-p", "0"),
+     ("--top-p", "1.5")],
+)  # fmt: skip
+def test_bad_numbers_are_refused_in_one_line_before_loading(option, value, nothing_loads, capsys):
+    assert f"argument {option}: expected" in refusal(capsys, option, value)
+
+
+@pytest.mark.parametrize(
+    "draft, message",
+    [
+        ("{tmp}/missing", r"--draft \S+missing: no such directory, nor a model of that name .*'truncated:N'"),
+        ("{tmp}", r"--draft \S+: a directory without a model's config.json"),
+        ("self:int3", r"--draft self:int3: no such directory"),
+        ("{tmp}/draft.safetensors", r"expected a .safetensors draft export beside its .json"),
+        ("truncated:3", r"--draft truncated:3: the target has 2 layers; take at most truncated:2"),
+        ("self:exit:3", r"--draft 'self:exit:3': K must be a whole number of layers from 1 to 2"),
+        ("self:skip:0-1", r"--draft 'self:skip:0-1' skips all 2 decoder layers"),
+    ],
+)
+def test_unusable_drafts_are_refused_in_one_line_before_loading(pair, tmp_path, draft, message, nothing_loads, capsys):
+    target_dir, _ = pair
+    assert re.search(message, refusal(capsys, "--target", str(target_dir), "--draft", draft.format(tmp=tmp_path)))
+
+
+def test_a_missing_target_is_refused_in_one_line_before_loading(tmp_path, nothing_loads, capsys):
+    error = refusal(capsys, "--target", str(tmp_path / "missing"), "--no-specexec")
+    assert "--target" in error and "no such directory" in error
+
+
+def test_a_target_without_its_tokenizer_is_refused_in_one_line_before_loading(tmp_path, nothing_loads, capsys):
+    tiny_model("llama").save_pretrained(tmp_path / "bare")
+    assert "no tokenizer there" in refusal(capsys, "--target", str(tmp_path / "bare"), "--no-specexec")
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_the_mismatch(pair, other_tokenizer_draft, nothing_loads,
+                                                                      capsys):  # fmt: skip
+    target_dir, _ = pair
+    error = refusal(capsys, "--target", str(target_dir), "--draft", str(other_tokenizer_draft))
+    assert "The draft's tokenizer is not the target's" in error and "48 entries against 64" in error
+
+
+def test_refusals_of_load_models_end_in_one_line(capsys):
+    assert "add --offload" in refusal(capsys, "--max-memory", "cpu=0")
+
+
+def write_draft_export(target, path: Path) -> Path:
+    """A one-layer draft for ``target`` in the export format (``specexec-hf distill --stage export``)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from specexec_hf.models.drafts import draft_config_from_target, own_state_dict
+
+    draft = LlamaForCausalLM(draft_config_from_target(target.config, num_hidden_layers=1)).to(target.dtype)
+    save_file(own_state_dict(draft), str(path))
+    path.with_suffix(".json").write_text(json.dumps({"num_hidden_layers": 1}))
+    return path
+
+
+def test_a_draft_export_loads_from_a_str_path(tmp_path):
+    from specexec_hf.models import load_draft_export
+
+    target = tiny_model("llama", seed=0)
+    draft = load_draft_export(target, str(write_draft_export(target, tmp_path / "draft.safetensors")))
+    assert draft.config.num_hidden_layers == 1
+    assert draft.get_input_embeddings() is target.get_input_embeddings()
+
+
+@pytest.fixture
+def tiny_default_pair(pair, tmp_path, monkeypatch) -> Path:
+    """The pair's target stands for the default target (converted already, in the private cache), and a one-layer
+    export of a draft for it for the shipped draft."""
+    from specexec_hf.models import default_pair
+
+    target_dir, _ = pair
+    shutil.copytree(target_dir, default_pair.target_cache_dir())
+    export = write_draft_export(tiny_model("llama", seed=0), tmp_path / "shipped.safetensors")
+    monkeypatch.setattr(default_pair, "DRAFT_WEIGHTS_PATH", export)
+    monkeypatch.setattr(default_pair, "DRAFT_META_PATH", export.with_suffix(".json"))
+    return target_dir
+
+
+def test_draft_default_takes_a_saved_copy_of_the_default_target(tiny_default_pair, plain_greedy_text, tmp_path,
+                                                                capsys):  # fmt: skip
+    copy = shutil.copytree(tiny_default_pair, tmp_path / "copy")
+    answer, report = generate(capsys, "--target", str(copy), "--draft", "default", "--budget", "4")
+    assert answer == plain_greedy_text + "\n"
+    assert "tokens per target forward" in report
+
+
+def test_draft_default_for_another_target_is_refused_without_offering_default(tiny_default_pair, tmp_path,
+                                                                             nothing_loads, capsys):  # fmt: skip
+    other = tmp_path / "other"
+    tiny_model("llama", seed=0, num_layers=3).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    error = refusal(capsys, "--target", str(other), "--draft", "default")
+    assert "is another model (its config or tokenizer differs)" in error
+    assert "'default'" not in error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,9 @@ def dequantize_rows_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_draft_export(
+    weights_path: str | os.PathLike, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """An exported draft's metadata (the ``.json`` beside ``weights_path``) and tensors, floating ones in ``dtype``.
 
     Matrices exported as int8 (``NAME`` int8 beside ``NAME.int8_scale``) come back dequantized.
@@ -185,6 +188,7 @@ def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str,
         weights_path: A ``.safetensors`` file written by ``specexec-hf distill --stage export``.
         dtype: Parameter dtype wanted (``lm_head.token_ids`` stays an integer tensor).
     """
+    weights_path = Path(weights_path)
     meta = json.loads(weights_path.with_suffix(".json").read_text())
     stored = load_file(weights_path)
     weights = {}
@@ -197,7 +201,9 @@ def read_draft_export(weights_path: Path, dtype: torch.dtype) -> tuple[dict[str,
     return meta, weights
 
 
-def load_draft_export(target: PreTrainedModel, weights_path: Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_draft_export(
+    target: PreTrainedModel, weights_path: str | os.PathLike, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     """The draft exported at ``weights_path`` (beside its ``.json``), sharing ``target``'s embedding and dtype, or
     in ``dtype`` with its own copy of the embedding (see :func:`build_draft`)."""
     dtype = dtype or target.get_input_embeddings().weight.dtype
