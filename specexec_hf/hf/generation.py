@@ -8,11 +8,12 @@ and recording the outputs (:class:`~.outputs.OutputRecorder`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -176,11 +177,13 @@ def _checked_request(
     assistant_tokenizer: Any = None,
 ) -> tuple[PreTrainedModel, Request]:
     """The draft (a ``"self:..."`` spec resolved) and the checked request, or a clear error before any work."""
+    if draft_model is None:
+        draft_model = _assistant_model_of_generate_call()
     draft_model = resolve_draft(model, draft_model) if isinstance(draft_model, str) else draft_model
     if draft_model is None:
         raise ValueError(
-            "SpecExec needs a draft model: pass assistant_model=<small causal LM with the same tokenizer> "
-            "(after `import specexec_hf`, which lets generate() forward it to custom_generate callables)."
+            "SpecExec needs a draft model: pass assistant_model=<small causal LM with the same tokenizer> (or "
+            "draft_model=, the same)."
         )
     check_supported(model, "target")  # first: an unsupported model's inputs are beside the point
     request = validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
@@ -188,6 +191,20 @@ def _checked_request(
         check_masked_tokens_supported(model)
     check_same_tokenizer(tokenizer, assistant_tokenizer)
     return draft_model, request
+
+
+def _assistant_model_of_generate_call() -> PreTrainedModel | str | None:
+    """The ``assistant_model=`` of the ``generate()`` call that runs SpecExec as its ``custom_generate`` callable.
+
+    Without the patch, transformers hands such a callable only the keyword arguments that its signature adds to
+    ``generate()``'s own, so a draft given as ``assistant_model=`` never arrives; it is still an argument of that
+    call, read from its frame, the nearest ``GenerationMixin.generate`` frame up the stack.
+    """
+    generate_code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code is not generate_code:
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals.get("assistant_model")
 
 
 def _checked_intermediate(
