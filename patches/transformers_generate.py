@@ -71,8 +71,11 @@ def apply() -> None:
 
     def configured_speculator(model, args: tuple, kwargs: dict) -> str | None:
         """The speculator of the call's generation config where it names one (``None`` included), else the
-        model's (transformers fills the call's config with the model's own fields)."""
+        model's (transformers fills the call's config with the model's own fields). None for the drafting call of
+        transformers' own assisted generation, whose config is a copy of the target call's."""
         passed = _GENERATE_SIGNATURE.bind_partial(model, *args, **kwargs).arguments.get("generation_config")
+        if getattr(passed, "is_assistant", False):
+            return None
         config = passed if hasattr(passed, SPECULATOR_FIELD) else model.generation_config
         return getattr(config, SPECULATOR_FIELD, None)
 

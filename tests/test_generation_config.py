@@ -165,6 +165,16 @@ def test_the_speculator_keyword_wins_over_the_generation_config(fresh_target):
     assert target.generate(IDS, generation_config=config)[0].tolist() == expected
 
 
+def test_assisted_generation_runs_under_a_generation_config_speculator_turned_off(fresh_target):
+    """transformers' assisted generation drafts with ``assistant.generate()`` under a copy of the target call's
+    config, which names the speculator: that drafting call is never SpecExec's."""
+    target, draft = fresh_target
+    expected = plain(target)
+    target.generation_config.speculator = "specexec"
+    got = target.generate(IDS, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft, speculator=None)
+    assert got[0].tolist() == expected
+
+
 def test_a_generation_config_speculator_without_a_draft_is_refused_naming_the_config(fresh_target):
     target, _ = fresh_target
     target.generation_config.speculator = "specexec"
