@@ -10,7 +10,8 @@
   :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever the tree policy;
 - :mod:`.draft_cache`: the draft's KV cache kept across steps, and the feeds that grow a tree into it;
 - :mod:`.forward`: the forward path: one ``Feed`` record for draft and target, logits, the lazy LM head;
-- :mod:`.compat`: what a model must support, checked up front (checks, probes, vocabulary, execution device);
+- :mod:`.compat`: what a model must support, checked up front (checks, probes, vocabulary and tokenizer, execution
+  device); :mod:`.settings`: SpecExec's settings carried by a ``GenerationConfig``;
 - :mod:`.kv`: KV-cache compaction after each step; :mod:`.autobudget`: ``budget="auto"``;
 - :mod:`.calibrated`: a draft's calibrated ranking settings; :mod:`.learnt_state`: what decoding learns (acceptance
   maps, ``budget="auto"``'s estimates), carried by the draft or passed as ``learnt_state=``; :mod:`.cache_dir`: the
