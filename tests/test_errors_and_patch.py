@@ -28,10 +28,10 @@ def test_batch_larger_than_one(llama_pair):
         specexec(target, draft, ids=IDS.repeat(2, 1))
 
 
-def test_mismatched_vocabularies(llama_pair):
-    target, _ = llama_pair
-    with pytest.raises(ValueError, match=r"draft's vocabulary \(32 logits\) does not match the target's \(64\)"):
-        specexec(target, tiny_model("llama", vocab_size=32))
+def test_mismatched_tokenizers(llama_pair):
+    target, draft = llama_pair
+    with pytest.raises(ValueError, match="draft's tokenizer is not the target's: compared by vocabulary"):
+        specexec(target, draft, tokenizer=tiny_tokenizer(), assistant_tokenizer=tiny_tokenizer(63))
 
 
 @pytest.mark.parametrize("knob,value", [("budget", 0), ("max_depth", -1), ("max_branch", 1.5), ("expand_per_forward", 0)])
