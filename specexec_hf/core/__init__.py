@@ -2,8 +2,9 @@
 
 - :mod:`.tree`: the token tree (parents-first nodes, depths, cumulative draft log-probs, ancestor masks);
 - :mod:`.search`: the tree-search protocol (``SearchPolicy`` starts a step-by-step ``TreeSearch``) and SpecExec's
-  best-first growth (``grow_tree``), and the policies by name (``tree_policy``); :mod:`.static_trees`: SpecInfer-
-  and Sequoia-style policies on the same protocol; further tree policies go beside them;
+  best-first growth (``grow_tree``), and the policies by name (``tree_policy``); :mod:`.round_search`: the same
+  best-first tree grown in fixed-shape rounds with no host read between draft forwards; :mod:`.static_trees`:
+  SpecInfer- and Sequoia-style policies on the same protocol; further tree policies go beside them;
 - :mod:`.verify`: the acceptance walk of the target's own choices down the tree, and recursive rejection sampling
   for drawn children;
 - :mod:`.masks`: the tree attention masks; :mod:`.context_match`: n-gram guesses mixed into the tree's ranking;
@@ -29,6 +30,7 @@ from .search import (
     register_tree_policy,
     tree_policy,
 )
+from .round_search import RoundPolicy, RoundSearch
 from .static_trees import (
     SequoiaSearch,
     SpecInferSearch,
@@ -48,6 +50,8 @@ __all__ = [
     "BestFirstSearch",
     "ContextIndex",
     "ExpandFn",
+    "RoundPolicy",
+    "RoundSearch",
     "SearchPolicy",
     "SearchResult",
     "SequoiaSearch",

@@ -26,6 +26,8 @@ from transformers import DynamicCache, PreTrainedModel
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
 from ..core.context_match import ContextIndex, Followers, mix_context_guesses
+from ..core.device_context_match import DeviceContextMatch
+from ..core.round_search import RoundPolicy
 from ..core.search import (
     BestFirstPolicy,
     BestFirstSearch,
@@ -135,6 +137,11 @@ class SpecExecCandidateGenerator:
         # Per node of the last verified tree, the (expansion, row) that expanded it (None: a leaf); read once per tree.
         self._tree_rows: tuple[SearchResult, list[tuple[int, int] | None]] | None = None
         self._context = ContextIndex(len(self.context_match_weights)) if any(self.context_match_weights) else None
+        # A policy that grows its trees without host reads has the guesses computed on the device as well.
+        self._device_context = (
+            DeviceContextMatch(self.context_match_weights, self.draft_cache.device)
+            if self._context is not None and isinstance(search, RoundPolicy) else None
+        )
         # The last tree's search, which draft_ahead grows on during verification and the next tree may start from.
         self._search: TreeSearch | None = None
         self._grown_ahead = False
@@ -179,7 +186,9 @@ class SpecExecCandidateGenerator:
         if search is None:
             self.draft_cache.sync(history)
             search = self.search.start(history[-1], self.config, max_depth, self.draft_cache.device)
-        if self._context is not None:
+        if self._device_context is not None:
+            self._device_context.sync(history)
+        elif self._context is not None:
             self._context.sync(history)
         self._search = search
         return search
@@ -240,7 +249,9 @@ class SpecExecCandidateGenerator:
         # Dividing by 1.0 would still copy the [nodes, vocab] logits.
         scaled = logits if self.temperature == 1.0 else logits / self.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
-        if self._context is not None:
+        if self._device_context is not None:
+            logprobs, columns = self._device_context.mix(logprobs, pool, nodes, columns)
+        elif self._context is not None:
             matches = self._context_matches(pool, nodes)
             if columns is not None:
                 logprobs, columns, matches = _guesses_as_columns(logprobs, columns, matches)
