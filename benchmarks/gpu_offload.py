@@ -18,8 +18,11 @@ Sections, in the order they run (each one is skipped, with the reason recorded, 
    runs per drafted token).
 4. **End to end** on the real default pair (SmolLM2-135M-Instruct + the shipped draft) with the target's layers
    in CPU RAM: plain generate(), HF assisted generation and SpecExec at several budgets, each executor; every
-   output is compared with the in-memory target's greedy output. It also measures the pair's tokens per target
-   forward and draft forwards per tree, which the projection uses.
+   output is compared with the in-memory target's greedy output. Each method is warmed up by an untimed generation
+   of the full length, then ``--prompts`` (at least 3) are timed: the median prompt's tokens/s, and its seconds
+   split into the target's forwards, the draft's forwards and the host's rest, the forwards timed by CUDA events on
+   a GPU (by host clocks on a CPU). It also measures the pair's tokens per target forward and draft forwards per
+   tree, which the projection uses.
 5. **Projection** of tokens/s for the big shape from measured parts only: tokens per target forward of the real
    pair (this run's section 4, else the CPU figures in ``benchmarks/results/bench_t0*/bench.json``) over (target
    forward time at that many tokens + tree-growth time = seconds per draft forward of the GPU draft x the real
@@ -32,6 +35,12 @@ Sections, in the order they run (each one is skipped, with the reason recorded, 
    then the model loaded with every decoder layer on disk and timed by the stream executor over 1, 16, 64 and 256
    tokens: disk -> pinned staging (direct reads) -> GPU. Seconds, GB/s and share of the bound; the checkpoint is
    deleted afterwards.
+
+**Every figure is checked before it is written** (``figure_checks.py``): seconds, tokens/s, GB/s and ratios finite and
+above zero, forward time not falling as tokens grow beyond the repeats' spread, achieved GB/s at most 1.05x the
+measured bound, a time split within its whole; goals, whole-shape extrapolations and projections made only from
+figures that passed. A figure that fails is withheld from the tables with what was derived from it, listed with why,
+its section marked FAILED, and the run exits with status 4 (1 when a section also failed).
 
 ``--sections`` picks sections 1-4, 6 and 7 (default: all); the projection is remade from whatever the report holds
 each time it is written. The report (gpu_offload.json, .md, .png in ``--out``) is written after every section, so a
@@ -69,7 +78,9 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +102,27 @@ from specexec_hf.offload import (
 from specexec_hf.tools.bench import ForwardMeter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loaders import disk_bound  # sibling scripts, not a package
+from figure_checks import (  # sibling scripts, not a package
+    MEASURED,
+    STAND_IN,
+    FigureAudit,
+    Noise,
+    non_negative,
+    not_falling,
+    parts_within,
+    positive,
+    positive_curve,
+    ratio,
+    within_bound,
+)
+from loaders import disk_bound
 from memory_cap import cached_bytes, evict
 from synthetic_models import make_tiny_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
 SECTIONS = ("link", "forward", "draft", "end_to_end", "largest", "disk")
+EXIT_FIGURES_FAILED = 4  # the exit status when every section ran but a figure failed its checks (figure_checks.py)
 # An offloaded target's greedy tokens may leave the in-memory ones where the in-memory model's top two logits
 # differ by rounding only (other kernels, other summation order): such a divergence is reported, not failed.
 ROUNDING_LOGIT_MARGIN = 1e-2
@@ -321,8 +346,9 @@ def sharing_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
 QUANTIZED_WEIGHTS = ("int8", "int4")
 
 
-def quantize_layers(model: torch.nn.Module, weights: str) -> None:
-    """Quantizes the decoder layers' linear weights in place with optimum-quanto (``"int8"`` or ``"int4"``); the
+def quantize_layers(model: torch.nn.Module, weights: str, include: str = "model.layers.*") -> None:
+    """Quantizes the decoder layers' (or the modules ``include`` names) linear weights in place with optimum-quanto
+    (``"int8"`` or ``"int4"``); the
     embedding, norms and head keep their dtype, as in the common 4-bit checkpoints. Packed weights unpack on the
     GPU with quanto's portable kernel (``specexec_hf.patches.quanto_unpack``), not its CUDA extension, which quanto
     would otherwise compile inside the first timed forward; int4 weights packed here for the CPU leave it for the GPU
@@ -334,7 +360,7 @@ def quantize_layers(model: torch.nn.Module, weights: str) -> None:
 
     quanto_unpack.apply()
     quanto_tinygemm_cpu.apply()
-    quanto.quantize(model, weights={"int8": quanto.qint8, "int4": quanto.qint4}[weights], include=["model.layers.*"])
+    quanto.quantize(model, weights={"int8": quanto.qint8, "int4": quanto.qint4}[weights], include=[include])
     quanto.freeze(model)
 
 
@@ -398,7 +424,8 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 def forward_times(
     model: torch.nn.Module, token_counts: list[int], repeats: int, device: torch.device, deadline: Deadline
 ) -> dict[str, Any]:
-    """Median seconds of one forward over ``n`` fresh tokens (logits for all of them), for each ``n``.
+    """Median seconds of one forward over ``n`` fresh tokens (logits for all of them), for each ``n``, and the
+    fastest and slowest repeat (``seconds_spread``: what the figure checks take for noise).
 
     One 1-token warm-up first (allocations, kernel selection). A token count whose repeats would not fit in the
     time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead landed, as
@@ -409,6 +436,7 @@ def forward_times(
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, max(token_counts)), generator=torch.Generator().manual_seed(1)).to(device)
     seconds: dict[str, float] = {}
+    spread: dict[str, list[float]] = {}
     skipped = []
     last = 0.0
     with torch.no_grad():
@@ -430,8 +458,9 @@ def forward_times(
                 synchronize_compute(device)
                 times.append(time.perf_counter() - started)
             seconds[str(tokens)] = median(times)
+            spread[str(tokens)] = [min(times), max(times)]
             last = max(times)
-    return {"seconds": seconds, "skipped_token_counts": skipped}
+    return {"seconds": seconds, "seconds_spread": spread, "skipped_token_counts": skipped}
 
 
 def diffusers_group_offloading(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -555,18 +584,59 @@ def executor_figures(
     """The placed ``model``'s bytes and forward times (its references die with this call's frame)."""
     entry: dict[str, Any] = {}
     streamer = layer_streamer(model)
-    if args.weights is None:
+    if args.weights is None:  # a quantized weight's numel() * element_size() counts its float form
         entry["placement_bytes"] = placement_bytes(model)
-    else:  # a quantized weight's numel() * element_size() counts its float form
-        entry["head_bytes"] = model.lm_head.weight.nbytes
     entry["streamed_bytes"] = streamed_bytes_per_timed_forward(model, executor, args.weights)
     if isinstance(streamer, DeviceLayerStreamer):
         entry["stream_buffer_bytes"] = streamer.buffer_bytes
         entry["pinned_host_bytes"] = streamer.host_bytes
         entry["read_ahead_bytes"] = streamer.read_ahead_bytes
-    repeats = args.repeats if executor != "accelerate" else max(1, args.repeats - 1)
-    entry.update(forward_times(model, args.token_counts, repeats, device, deadline))
+    entry.update(forward_times(model, args.token_counts, args.repeats, device, deadline))
     return entry
+
+
+def stored_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters as stored: a quantized weight (a tensor subclass) by its packed inner tensors,
+    not by ``numel() * element_size()``, which counts its float form."""
+    def tensor_bytes(tensor: torch.Tensor) -> int:
+        if not hasattr(type(tensor), "__tensor_flatten__"):
+            return tensor.nbytes
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+
+    return sum(tensor_bytes(parameter) for parameter in module.parameters())
+
+
+def decoder_layer_bytes(built: LlamaForCausalLM, weights: str | None) -> int:
+    """Bytes one decoder layer of ``built`` streams: its parameters as stored once quantized as the executors quantize
+    them (``weights``), measured on a twin whose first layer alone is quantized. Not on the placed model: an executor
+    may hold a quantized layer in another form (the stream executor expands it on the device)."""
+    if weights is None:
+        return stored_bytes(built.model.layers[0])
+    twin = sharing_weights(built)
+    quantize_layers(twin, weights, include="model.layers.0.*")
+    return stored_bytes(twin.model.layers[0])
+
+
+def full_shape_streamed_bytes(entry: dict[str, Any], shape_result: dict[str, Any]) -> int:
+    """Bytes a forward of the whole shape would stream: what the build's forward streamed (``entry``) plus, for each
+    decoder layer the build left out, one layer's stored bytes (``shape_result["layer_bytes"]``). Nothing else scales
+    with the layers: the LM head is streamed by the whole shape as by the build, or not at all (a head far larger than
+    a layer keeps a buffer of its own, loaded once: run 4's int4 build)."""
+    missing = shape_result["shape"]["layers"] - shape_result["layers_built"]
+    return entry["streamed_bytes"] + missing * shape_result["layer_bytes"]
+
+
+def extrapolation_scale(entry: dict[str, Any], shape_result: dict[str, Any]) -> float:
+    """How many times longer a forward of the whole shape takes than the build's, for one executor's ``entry``.
+
+    A streamed forward is bound by the link: by the bytes it streams (:func:`full_shape_streamed_bytes`). A resident
+    one is bound by computation, which grows with the parameter count (``parameter_bytes_*`` are counted in the float
+    dtype, also for quantized layers).
+    """
+    if entry["streamed_bytes"]:
+        return full_shape_streamed_bytes(entry, shape_result) / entry["streamed_bytes"]
+    return shape_result["parameter_bytes_full_shape"] / shape_result["parameter_bytes_built"]
 
 
 def measure_shape(
@@ -585,6 +655,7 @@ def measure_shape(
         "extrapolated": layers != shape.layers, "executors": {},
     }
     built = random_llama(shape, layers, dtype)
+    result["layer_bytes"] = decoder_layer_bytes(built, args.weights)
     for executor in executors:
         if not deadline.allows(30):
             result["executors"][executor] = {"status": "skipped: time budget spent"}
@@ -604,21 +675,14 @@ def measure_shape(
             continue
         result["executors"][executor] = entry
         entry["status"] = "measured"
-        streamed = entry["streamed_bytes"]
-        if streamed:
+        if entry["streamed_bytes"]:
             add_bandwidth(entry, link_gbps, "share_of_pinned_link")
-        # Extrapolation to the whole shape: a streamed forward by its streamed bytes (bandwidth-bound), a resident
-        # one by its parameter bytes (compute grows with the layers).
-        scale = (full_bytes - (built_bytes - streamed)) / streamed if streamed else full_bytes / built_bytes
-        if args.weights is not None:  # quantized: the layers' bytes scale with the layer count, the head's and the
-            head, ahead = entry["head_bytes"], entry.get("read_ahead_bytes", 0)  # read-ahead layer's do not
-            layer_bytes = streamed + ahead - head
-            scale = (layer_bytes * shape.layers / layers + head - ahead) / streamed if streamed else shape.layers / layers
-        entry["full_shape_seconds"] = {n: s * scale for n, s in entry["seconds"].items()}
+            entry["full_shape_streamed_bytes"] = full_shape_streamed_bytes(entry, result)
+        entry["full_shape_scale"] = extrapolation_scale(entry, result)
+        entry["full_shape_seconds"] = {n: s * entry["full_shape_scale"] for n, s in entry["seconds"].items()}
         print(f"  {shape.name} x{layers} layers, {executor}: {entry['seconds']}", flush=True)
     del built
     collect(device)
-    result["goals"] = forward_goals(result)
     return result
 
 
@@ -631,8 +695,9 @@ def add_bandwidth(entry: dict[str, Any], bound_gbps: float | None, share_key: st
 
 
 def forward_goals(shape_result: dict[str, Any]) -> dict[str, float]:
-    """The issue's per-forward goals, from the stream executor's figures (missing figures give no entry)."""
-    executors = shape_result["executors"]
+    """The issue's per-forward goals, from the figures of the executors that measured and passed their checks
+    (missing figures give no entry); each ratio checked as it is made (:func:`figure_checks.ratio`)."""
+    executors = {name: entry for name, entry in shape_result["executors"].items() if entry.get("status") == "measured"}
     stream = executors.get("stream", {}).get("full_shape_seconds", {})
     goals = {}
     shares = executors.get("stream", {}).get("share_of_pinned_link", {})
@@ -640,11 +705,12 @@ def forward_goals(shape_result: dict[str, Any]) -> dict[str, float]:
     if upto_256:
         goals["stream: lowest share of the pinned link up to 256 tokens (goal >= 0.85)"] = min(upto_256)
     if "1" in stream and "1024" in stream:
-        goals["stream: forward over 1024 tokens / over 1 token (goal <= 1.3)"] = stream["1024"] / stream["1"]
+        name = "stream: forward over 1024 tokens / over 1 token (goal <= 1.3)"
+        goals[name] = ratio(name, stream["1024"], stream["1"])
     accelerate = executors.get("accelerate", {}).get("full_shape_seconds", {})
     for tokens in sorted(set(stream) & set(accelerate), key=int):
-        goals[f"accelerate hooks / stream executor, forward over {tokens} tokens (goal >= 5)"] = (
-            accelerate[tokens] / stream[tokens])
+        name = f"accelerate hooks / stream executor, forward over {tokens} tokens (goal >= 5)"
+        goals[name] = ratio(name, accelerate[tokens], stream[tokens])
     return goals
 
 
@@ -889,29 +955,100 @@ def is_rounding_level(divergence: dict[str, Any]) -> bool:
     return margin is not None and abs(margin) <= ROUNDING_LOGIT_MARGIN
 
 
-TIME_SPLIT = ("seconds", "target_seconds", "draft_seconds")  # a generate()'s wall time, and its forwards' shares
+# A generate()'s wall time, the parts spent in the target's and the draft's forwards, and the host's rest (the tree
+# search, verification, generate()'s own loop).
+TIME_SPLIT = ("seconds", "target_seconds", "draft_seconds", "host_seconds")
+
+
+@dataclass
+class DeviceForwardMeter(ForwardMeter):
+    """A :class:`ForwardMeter` that also brackets each outermost forward with CUDA events on the current stream.
+
+    Host clocks around a forward end when the host stops launching, not when the device is done: a forward's queued
+    work then lands in whichever call next waits for the device (the next draft forward, say). The events time each
+    forward where the device runs it (:meth:`device_seconds`).
+    """
+
+    spans: list[list[Any]] = field(default_factory=list)
+
+    def _before(self, module, args) -> None:
+        if self._depth == 0:
+            self.spans.append([recorded_event()])
+        super()._before(module, args)
+
+    def _after(self, module, args, output) -> None:
+        super()._after(module, args, output)
+        if self._depth == 0:
+            self.spans[-1].append(recorded_event())
+
+    def device_seconds(self) -> float:
+        """The summed spans of the forwards on the device, once it has run them all."""
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
+
+
+def recorded_event() -> torch.cuda.Event:
+    """A timing CUDA event recorded on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def forward_seconds(meter: ForwardMeter | None) -> float:
+    """Seconds in a meter's forwards: the device's on CUDA (:class:`DeviceForwardMeter`), else the host's clocks."""
+    if meter is None:
+        return 0.0
+    return meter.device_seconds() if isinstance(meter, DeviceForwardMeter) else meter.seconds
 
 
 def timed_generate(model, inputs: dict, max_new_tokens: int, device: torch.device, **kwargs) -> dict[str, Any]:
-    """One greedy generate(): new tokens, seconds, and forward counts of the target and of any draft."""
+    """One greedy generate(): new tokens, seconds, forward counts of the target and of any draft, and the seconds
+    spent in each one's forwards (:data:`TIME_SPLIT`; on CUDA by CUDA events, elsewhere by host clocks)."""
     stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
     draft = kwargs.get("assistant_model")
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
-    with ForwardMeter(model) as target_meter, ForwardMeter(draft or model) as draft_meter:
+    meter = DeviceForwardMeter if device.type == "cuda" else ForwardMeter
+    with ExitStack() as metering:
+        target_meter = metering.enter_context(meter(model))
+        draft_meter = metering.enter_context(meter(draft)) if draft is not None else None
         synchronize(device)
         started = time.perf_counter()
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
                                 **({"specexec_stats": stats} if stats else {}))
         tokens = output[0, inputs["input_ids"].shape[1] :].tolist()
+        synchronize(device)
         seconds = time.perf_counter() - started
-    row = {"tokens": tokens, "seconds": seconds}
+    row = {"tokens": tokens, "seconds": seconds, "target_seconds": forward_seconds(target_meter),
+           "draft_seconds": forward_seconds(draft_meter)}
+    row["host_seconds"] = seconds - row["target_seconds"] - row["draft_seconds"]
     if stats is not None:
-        row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards,
-                   target_seconds=stats.target_seconds, draft_seconds=stats.draft_seconds)
+        row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards)
     else:
-        row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft else 0,
-                   target_seconds=target_meter.seconds, draft_seconds=draft_meter.seconds if draft else 0.0)
+        row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft_meter else 0)
     return row
+
+
+def generation_figures(rows: list[dict[str, Any]], expected: list[list[int]]) -> dict[str, Any]:
+    """One method's figures over its prompts (``rows``, from :func:`timed_generate`).
+
+    Tokens/s is the median prompt's (``statistics.median_low`` of the prompts' rates: one prompt's own figure, so
+    that its time split, given with it, adds up to its time); every prompt's rate beside it. Tokens and draft
+    forwards per target forward are over all prompts.
+    """
+    rates = [len(row["tokens"]) / row["seconds"] for row in rows]
+    middle = rates.index(statistics.median_low(rates))
+    new_tokens = sum(len(row["tokens"]) for row in rows)
+    target_forwards = max(sum(row["target_forwards"] for row in rows), 1)
+    return {
+        "status": "measured",
+        "tokens_per_second": rates[middle],
+        "tokens_per_second_per_prompt": rates,
+        "median_prompt": middle,
+        "tokens_per_target_forward": new_tokens / target_forwards,
+        "draft_forwards_per_target_forward": sum(row["draft_forwards"] for row in rows) / target_forwards,
+        "seconds": {key: rows[middle][key] for key in TIME_SPLIT},
+        "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
+    }
 
 
 def end_to_end(
@@ -920,8 +1057,12 @@ def end_to_end(
 ) -> dict[str, Any]:
     """Plain, HF assisted and SpecExec generation of the pair's target offloaded by each executor.
 
-    Every output is compared with the in-memory target's plain greedy output on ``device``; where one differs, its
-    first divergence and the in-memory logit margin there are recorded (see :func:`first_divergence`).
+    Each method is warmed up by one untimed generation of the full length (the first prompt), so that the timed ones
+    meet no shape, kernel or allocation for the first time (runs 2-4 warmed up on 4 tokens, and the first methods
+    timed ran 2-5x slower than later ones with the same forwards); then every prompt is timed, while the time left
+    holds them at the warm-up's pace (:func:`generation_figures`). Every output is compared with the in-memory
+    target's plain greedy output on ``device``; where one differs, its first divergence and the in-memory logit margin
+    there are recorded (see :func:`first_divergence`).
     """
     reference = pair.reference.to(device)
     draft = pair.draft.to(device)
@@ -929,8 +1070,10 @@ def end_to_end(
     methods: dict[str, dict[str, Any]] = {"plain generate": {}, "HF assisted": {"assistant_model": draft}}
     for budget in budgets:
         methods[f"SpecExec budget {budget}"] = {"assistant_model": draft, "speculator": "specexec", "budget": budget}
-    result: dict[str, Any] = {"pair": pair.name, "real_pair": pair.real, "max_new_tokens": max_new_tokens,
-                              "prompts": len(pair.prompts), "executors": {}}
+    result: dict[str, Any] = {
+        "pair": pair.name, "real_pair": pair.real, "max_new_tokens": max_new_tokens, "prompts": len(pair.prompts),
+        "time_split": "CUDA events around each forward (the device's time)" if device.type == "cuda" else
+        "host clocks around each forward (no CUDA device)", "executors": {}}
     for executor in executors:
         entry: dict[str, Any] = {"methods": {}}
         result["executors"][executor] = entry
@@ -952,24 +1095,17 @@ def end_to_end(
                 entry["methods"][method] = {"status": "skipped: time budget spent"}
                 continue
             try:
-                timed_generate(target, pair.prompts[0], 4, device, **kwargs)  # warm-up
+                warm_up = timed_generate(target, pair.prompts[0], max_new_tokens, device, **kwargs)
+                timed = len(pair.prompts) * warm_up["seconds"]
+                if not deadline.allows(1.5 * timed):
+                    entry["methods"][method] = {"status": f"skipped: time budget spent ({len(pair.prompts)} prompts "
+                                                f"at the warm-up's pace take about {timed:.0f} s)"}
+                    continue
                 rows = [timed_generate(target, inputs, max_new_tokens, device, **kwargs) for inputs in pair.prompts]
             except Exception as error:  # transformers' assisted generation fails on some dispatched models
                 entry["methods"][method] = {"status": f"error: {type(error).__name__}: {error}"}
                 continue
-            new_tokens = sum(len(row["tokens"]) for row in rows)
-            target_forwards = max(sum(row["target_forwards"] for row in rows), 1)
-            entry["methods"][method] = {
-                "status": "measured",
-                "tokens_per_second": new_tokens / sum(row["seconds"] for row in rows),
-                "tokens_per_target_forward": new_tokens / target_forwards,
-                "draft_forwards_per_target_forward": sum(row["draft_forwards"] for row in rows) / target_forwards,
-                # Where the wall time went (host clocks around the forwards: a GPU's queued work lands where the
-                # host next waits): the stream executor's HF assisted and small-budget rows ran 2-5x slower than its
-                # budget-2048 row on the H200, in runs 2 and 3 alike, with the same forwards.
-                "seconds": {key: sum(row[key] for row in rows) for key in TIME_SPLIT},
-                "equals_in_memory_greedy": [row["tokens"] == want for row, want in zip(rows, expected)],
-            }
+            entry["methods"][method] = generation_figures(rows, expected)
             divergences = [first_divergence(reference, inputs, want, row["tokens"], device)
                            for inputs, row, want in zip(pair.prompts, rows, expected)]
             if any(divergences):
@@ -1058,6 +1194,8 @@ def project(shape_result: dict[str, Any], draft: dict[str, Any], rates: dict[str
         for method, rate in rates["methods"].items():
             drafted = rate["draft_forwards_per_target_forward"]
             if method == "HF assisted":
+                if "one_token_forward_seconds" not in draft:  # withheld: it failed its check
+                    continue
                 target = interpolate(forward, 1 + round(drafted))
                 draft_seconds = drafted * draft["one_token_forward_seconds"]
             elif method.startswith("SpecExec budget "):
@@ -1116,25 +1254,23 @@ def ratios(projection: dict[str, Any]) -> dict[str, float]:
                 other = projection["executors"].get(executor, {}).get(method)
                 if other:
                     key = f"{best_name} ({label}) vs {method} ({executor})"
-                    result[key] = best["tokens_per_second"] / other["tokens_per_second"]
+                    result[key] = ratio(key, best["tokens_per_second"], other["tokens_per_second"])
     return result
 
 
 def published_comparison(projection: dict[str, Any], shape_result: dict[str, Any], link_gbps: float) -> list[dict]:
     """Tokens per weight-stream time (tok/s x seconds to move the weights once over the link), ours and theirs.
 
-    Ours: the best projected SpecExec tok/s on the stream executor x (the full shape's streamed bytes / the
-    measured pinned bandwidth). Theirs: the published tok/s x the transfer time the source states (a lower bound:
-    "over 5 seconds"), or not normalised when the source gives no link figure.
+    Ours: the best projected SpecExec tok/s on the stream executor x (the bytes a forward of the full shape streams,
+    :func:`full_shape_streamed_bytes` / the measured pinned bandwidth). Theirs: the published tok/s x the transfer time
+    the source states (a lower bound: "over 5 seconds"), or not normalised when the source gives no link figure.
     """
     rows = []
     stream = shape_result["executors"].get("stream", {})
     specexec = {n: r for n, r in projection.get("executors", {}).get("stream", {}).items() if n.startswith("SpecExec")}
-    if specexec and stream.get("streamed_bytes"):
+    if specexec and stream.get("full_shape_streamed_bytes") and stream.get("status") == "measured":
         name, best = max(specexec.items(), key=lambda item: item[1]["tokens_per_second"])
-        built = shape_result["parameter_bytes_built"]
-        resident = built - stream["streamed_bytes"]
-        stream_seconds = (shape_result["parameter_bytes_full_shape"] - resident) / (link_gbps * GB)
+        stream_seconds = stream["full_shape_streamed_bytes"] / (link_gbps * GB)
         rows.append({"system": f"this run: {shape_result['shape']['name']} {shape_result['dtype']}, {name}, projected",
                      "tokens_per_second": [best["tokens_per_second"]], "weight_stream_seconds": stream_seconds,
                      "tokens_per_weight_stream": [best["tokens_per_second"] * stream_seconds]})
@@ -1278,6 +1414,177 @@ def disk_tier(
     return result
 
 
+# Figure checks ------------------------------------------------------------------------------------------------------
+
+
+def check_figures(report: dict[str, Any], tiny: bool) -> None:
+    """Checks every figure of ``report`` before it is written (:mod:`figure_checks`; on the CPU stand-in with the slack
+    of ``STAND_IN``), then remakes the figures derived from those that passed (projections, the published comparison)
+    and checks them in turn.
+
+    A figure that fails is withheld with the figures derived from it (moved under its entry's ``withheld``, which
+    nothing reads), its entry marked ``FAILED: why``; the failure is listed in ``report["figure_failures"]``, its
+    section marked FAILED, and :func:`main` exits non-zero. Figures withheld once are not checked again, so a report
+    saved after every section lists each failure once.
+    """
+    audit = FigureAudit(STAND_IN if tiny else MEASURED)
+    check_link(report.get("link"), audit)
+    bound = (report.get("link") or {}).get("pinned_gbps")
+    for shape_result in report["shapes"]:
+        check_shape(shape_result, bound, audit)
+    check_draft(report.get("draft"), audit)
+    check_disk(report.get("disk"), audit)
+    check_end_to_end(report.get("end_to_end"), audit)
+    remake_projections(report, tiny, audit)
+    failures = [failure for failure in report.get("figure_failures", []) if failure["section"] != "projection"]
+    report["figure_failures"] = failures + [failure for failure in audit.failures if failure not in failures]
+    for failure in report["figure_failures"]:
+        section = report["sections"].get(failure["section"])
+        if section is not None and not section["status"].startswith("FAILED"):
+            section["status"] = f"FAILED: {failure['figure']}: {failure['why']}"
+
+
+def check_entry(
+    entry: dict[str, Any], section: str, audit: FigureAudit, checks: list[tuple[tuple[str, ...], Callable[[], Any]]]
+) -> None:
+    """Runs ``checks`` on ``entry``'s figures in order, each ``(the keys of the figures it checks, the check)``: at
+    the first that fails, its figures and those of every later check (derived from them) are withheld."""
+    for position, (_, check) in enumerate(checks):
+        if not audit.passes(section, check):
+            withheld = entry.setdefault("withheld", {})
+            for keys, _ in checks[position:]:
+                withheld.update({key: entry.pop(key) for key in keys if key in entry})
+            failure = audit.failures[-1]
+            entry["status"] = f"FAILED: {failure['figure']}: {failure['why']}"
+            return
+
+
+def check_positive(name: str, entry: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """The figures ``keys`` of ``entry`` are positive (absent or ``None``: not a figure, e.g. no profiler ran, or
+    withheld already)."""
+    for key in keys:
+        if entry.get(key) is not None:
+            positive(f"{name}: {key}", entry[key])
+
+
+def check_bandwidth(name: str, entry: dict[str, Any], share_key: str, bound_gbps: float | None, noise: Noise) -> None:
+    """An entry's achieved GB/s per token count within ``noise.over_bound`` of the measured bound (positive only
+    where none was measured), and its shares of that bound positive."""
+    for tokens, gbps in entry.get("achieved_gbps", {}).items():
+        figure = f"{name}: GB/s over {tokens} tokens"
+        if bound_gbps is None or not math.isfinite(bound_gbps):
+            positive(figure, gbps)
+        else:
+            within_bound(figure, gbps, bound_gbps, noise)
+    for tokens, share in entry.get(share_key, {}).items():
+        positive(f"{name}: share of the bound over {tokens} tokens", share)
+
+
+def check_link(link: dict[str, Any] | None, audit: FigureAudit) -> None:
+    """The link's GB/s, pinned and pageable, positive."""
+    if link:
+        keys = ("pinned_gbps", "pinned_gbps_max", "pageable_gbps")
+        check_entry(link, "link", audit, [(keys, partial(check_positive, "link", link, keys))])
+
+
+def check_shape(shape_result: dict[str, Any], bound_gbps: float | None, audit: FigureAudit) -> None:
+    """Each measured executor's forward seconds (rising with tokens), achieved GB/s (within the link's bound) and
+    whole-shape extrapolation (a positive scale, positive seconds); then the goals, from what passed."""
+    shape, layers = shape_result["shape"], shape_result["layers_built"]
+    section = shape_result.get("section") or f"forward {shape['name']} x{layers} layers"
+    for executor, entry in shape_result["executors"].items():
+        if entry.get("status") != "measured":
+            continue
+        name = f"{shape['name']} {shape_result['dtype']} x{layers} layers, {executor}"
+        check_entry(entry, section, audit, [
+            (("seconds", "seconds_spread"), partial(check_forward_seconds, name, entry, audit.noise)),
+            (("achieved_gbps", "share_of_pinned_link"), partial(
+                check_bandwidth, name, entry, "share_of_pinned_link", bound_gbps, audit.noise)),
+            (("full_shape_seconds", "full_shape_scale", "full_shape_streamed_bytes"), partial(
+                check_extrapolation, name, entry)),
+        ])
+    shape_result["goals"] = {}
+    audit.passes(section, lambda: shape_result.update(goals=forward_goals(shape_result)))
+
+
+def check_forward_seconds(name: str, entry: dict[str, Any], noise: Noise) -> None:
+    """Forward seconds per token count: positive, and not falling as tokens grow beyond the repeats' spread."""
+    not_falling(f"{name}: forward seconds", entry.get("seconds") or {}, entry.get("seconds_spread"), noise)
+
+
+def check_extrapolation(name: str, entry: dict[str, Any]) -> None:
+    """The whole shape's forward seconds positive, and the scale and streamed bytes they were made with."""
+    positive_curve(f"{name}: full-shape forward seconds", entry.get("full_shape_seconds") or {})
+    check_positive(name, entry, ("full_shape_scale", "full_shape_streamed_bytes"))
+
+
+def check_draft(draft: dict[str, Any] | None, audit: FigureAudit) -> None:
+    """The draft's cached 1-token forward, its tree-feed forwards and each budget's tree: positive seconds and
+    forward counts."""
+    if not draft:
+        return
+    one_token = ("one_token_forward_seconds", "one_token_forward_kernel_seconds")
+    check_entry(draft, "draft", audit, [(one_token, partial(check_positive, "draft", draft, one_token))])
+    feed = draft.get("tree_feed")
+    if feed:
+        timed = ("dynamic_cache_seconds", "static_cache_seconds", "cuda_graph_seconds")
+        check_entry(feed, "draft", audit, [(timed, partial(check_positive, "draft tree feed", feed, timed))])
+    tree = ("tree_seconds", "draft_forwards", "seconds_per_draft_forward", "tree_kernel_seconds")
+    for budget, row in draft.get("budgets", {}).items():
+        if "tree_seconds" in row:
+            check_entry(row, "draft", audit, [(tree, partial(check_positive, f"draft, budget {budget}", row, tree))])
+
+
+def check_disk(disk: dict[str, Any] | None, audit: FigureAudit) -> None:
+    """The SSD tier's forward seconds (rising with tokens) and GB/s from disk (within its direct-read bound)."""
+    if not disk or disk.get("status") != "measured":
+        return
+    bound = (disk.get("bound") or {}).get("gbps")
+    check_entry(disk, "disk", audit, [
+        (("seconds", "seconds_spread"), partial(check_forward_seconds, "SSD tier", disk, audit.noise)),
+        (("achieved_gbps", "share_of_disk_bound", "goals"), partial(
+            check_bandwidth, "SSD tier", disk, "share_of_disk_bound", bound, audit.noise)),
+    ])
+
+
+GENERATION_FIGURES = ("tokens_per_second", "tokens_per_second_per_prompt", "tokens_per_target_forward",
+                      "draft_forwards_per_target_forward", "seconds")
+
+
+def check_end_to_end(e2e: dict[str, Any] | None, audit: FigureAudit) -> None:
+    """Each measured generation row: tokens/s positive, for every prompt too; its time split within its whole."""
+    for executor, entry in (e2e or {}).get("executors", {}).items():
+        for method, row in entry.get("methods", {}).items():
+            if row.get("status") == "measured":
+                check_entry(row, "end to end", audit, [(GENERATION_FIGURES, partial(
+                    check_generation_row, f"end to end, {executor}, {method}", row, audit.noise))])
+
+
+def check_generation_row(name: str, row: dict[str, Any], noise: Noise) -> None:
+    positive(f"{name}: tokens/s", row.get("tokens_per_second"))
+    for prompt, rate in enumerate(row.get("tokens_per_second_per_prompt", [])):
+        positive(f"{name}: tokens/s of prompt {prompt}", rate)
+    positive(f"{name}: tokens per target forward", row.get("tokens_per_target_forward"))
+    drafted = non_negative(f"{name}: draft forwards per target forward", row.get("draft_forwards_per_target_forward"))
+    split = row.get("seconds") or {}
+    positive(f"{name}: seconds in target forwards", split.get("target_seconds"))
+    (positive if drafted else non_negative)(f"{name}: seconds in draft forwards", split.get("draft_seconds"))
+    parts_within(f"{name}: seconds of the median prompt", split.get("seconds"), {
+        "in target forwards": split.get("target_seconds"), "in draft forwards": split.get("draft_seconds")}, noise)
+
+
+def check_projected_row(name: str, row: dict[str, Any]) -> None:
+    positive(f"projection {name}: tokens/s", row["tokens_per_second"])
+    positive(f"projection {name}: target seconds", row["target_seconds"])
+    non_negative(f"projection {name}: draft seconds", row.get("draft_seconds", 0.0))  # plain generate has none
+
+
+def check_published_row(row: dict[str, Any]) -> None:
+    positive(f"{row['system']}: tokens/s", row["tokens_per_second"][0])
+    positive(f"{row['system']}: weight-stream seconds", row["weight_stream_seconds"])
+    positive(f"{row['system']}: tokens per weight-stream", row["tokens_per_weight_stream"][0])
+
+
 # Report -------------------------------------------------------------------------------------------------------------
 
 
@@ -1298,6 +1605,8 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict[str, Any
 
 def disk_markdown(disk: dict[str, Any] | None) -> list[str]:
     """The disk section's lines of the report (none before it ran)."""
+    if disk and disk.get("status", "").startswith("FAILED") and "seconds" not in disk:
+        return [f"## SSD tier: {disk['shape']['name']} {disk['dtype']}", "", f"**{disk['status']}**", ""]
     if not disk or "seconds" not in disk:
         return []
     bound = disk.get("bound")
@@ -1333,8 +1642,14 @@ def markdown(report: dict[str, Any]) -> str:
              "Sections: " + "; ".join(f"{name}: {section['status']}" + (f" ({section['seconds']:.0f} s)"
                                                                          if "seconds" in section else "")
                                       for name, section in report.get("sections", {}).items()), ""]
+    failures = report.get("figure_failures", [])
+    if failures:
+        lines += [f"**FAILED: {len(failures)} figure(s) failed their checks**: withheld from the tables below, each "
+                  "listed with why under \"Figures that failed their checks\" at the end.", ""]
     link = report.get("link")
-    if link and "pinned_gbps" in link:
+    if link and link.get("status", "").startswith("FAILED"):
+        lines += [f"**Link** ({link['kind']}): **{link['status']}**", ""]
+    elif link and "pinned_gbps" in link:
         lines += [f"**Link** ({link['kind']}, {link['bytes'] / 2**20:.0f} MiB copies): pinned "
                   f"{link['pinned_gbps']:.1f} GB/s (max {link['pinned_gbps_max']:.1f}), pageable "
                   f"{link['pageable_gbps']:.1f} GB/s.", ""]
@@ -1366,8 +1681,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     draft = report.get("draft")
     if draft:
+        one_token = (f"{1e3 * draft['one_token_forward_seconds']:.2f} ms" if "one_token_forward_seconds" in draft
+                     else f"**{draft.get('status')}**")
         lines += [f"## Draft on the device: {draft['shape']['name']} {draft['dtype']}, random weights", "",
-                  f"Cached 1-token forward: {1e3 * draft['one_token_forward_seconds']:.2f} ms"
+                  f"Cached 1-token forward: {one_token}"
                   + (f" (GPU busy {1e3 * draft['one_token_forward_kernel_seconds']:.2f} ms of it: the rest is the "
                      "host's)" if draft.get("one_token_forward_kernel_seconds") else "")
                   + f". Tree growth after {draft['context_tokens']} cached tokens (GPU busy: the summed kernel and "
@@ -1381,7 +1698,9 @@ def markdown(report: dict[str, Any]) -> str:
             else:
                 lines.append(f"| {budget} | {row['status']} | | | |")
         feed = draft.get("tree_feed")
-        if feed:
+        if feed and feed.get("status", "").startswith("FAILED"):
+            lines += ["", f"One forward over a tree feed of {feed['rows']} nodes: **{feed['status']}**"]
+        elif feed:
             replay = (f"{1e3 * feed['cuda_graph_seconds']:.2f} ms replayed as a CUDA graph" if "cuda_graph_seconds"
                       in feed else f"no CUDA graph ({feed.get('cuda_graph_error', 'not a CUDA device')})")
             lines += ["", f"One forward over a tree feed of {feed['rows']} nodes after {feed['context_tokens']} cached "
@@ -1396,8 +1715,11 @@ def markdown(report: dict[str, Any]) -> str:
     if e2e and "executors" in e2e:
         lines += [f"## End to end: {e2e['pair']}, target layers offloaded, {e2e['prompts']} prompt(s) x "
                   f"{e2e['max_new_tokens']} new tokens, greedy", "",
+                  "Each method warmed up by one untimed generation of the full length. Tokens/s: the median prompt's; "
+                  "its seconds split into the target's forwards, the draft's forwards and the host's rest (tree "
+                  f"search, verification, generate()'s loop), timed by {e2e.get('time_split', 'host clocks')}.", "",
                   "| executor | method | tokens/s | tokens per target forward | draft forwards per target forward | "
-                  "s: all, in target forwards, in draft forwards | = in-memory greedy |",
+                  "s: all, target, draft, host | = in-memory greedy |",
                   "|---|---|---:|---:|---:|---:|---|"]
         for executor, entry in e2e["executors"].items():
             if entry.get("status") != "measured":
@@ -1407,7 +1729,7 @@ def markdown(report: dict[str, Any]) -> str:
                 if row.get("status") != "measured":
                     lines.append(f"| {executor} | {method} | {row['status'][:160]} | | | | |")
                     continue
-                times = row.get("seconds", {})  # absent from reports of runs before it was recorded
+                times = row["seconds"]
                 split = ", ".join(f"{times[key]:.2f}" for key in TIME_SPLIT if key in times)
                 equal = str(all(row["equals_in_memory_greedy"]))
                 for divergence in filter(None, row.get("first_divergences", [])):
@@ -1448,6 +1770,9 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{'' if seconds is None else f'{bound}{seconds:.2f}'} | {per_stream} | "
                          f"{row.get('source', '')} {row.get('link_source', '')} |")
         lines.append("")
+    if failures:
+        lines += ["## Figures that failed their checks", ""] + [
+            f"- **FAILED** ({failure['section']}) {failure['figure']}: {failure['why']}" for failure in failures] + [""]
     lines += ["## Not run, skipped or failed", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -1503,12 +1828,17 @@ def largest_bf16_shape(host_bytes: int) -> LlamaShape | None:
 
 
 def merged_reports(paths: list[Path]) -> dict[str, Any]:
-    """One report from earlier ones (later ones win a section both hold); files that do not exist are skipped."""
-    report: dict[str, Any] = {"sections": {}, "notes": [], "errors": [], "shapes": [], "runs": []}
+    """One report from earlier ones (later ones win a section both hold, with its figure failures); files that do not
+    exist are skipped."""
+    report: dict[str, Any] = {"sections": {}, "notes": [], "errors": [], "shapes": [], "runs": [],
+                              "figure_failures": []}
     for path in paths:
         if not path.is_file():
             continue
         earlier = json.loads(path.read_text())
+        replaced = set(earlier.get("sections", {}))
+        report["figure_failures"] = [failure for failure in report["figure_failures"]
+                                     if failure["section"] not in replaced] + earlier.get("figure_failures", [])
         for key in ("sections",):
             report[key].update(earlier.get(key, {}))
         for key in ("notes", "errors", "runs"):
@@ -1529,8 +1859,9 @@ def add_shape(report: dict[str, Any], shape_result: dict[str, Any]) -> None:
     report["shapes"] = [other for other in report["shapes"] if key(other) != key(shape_result)] + [shape_result]
 
 
-def remake_projections(report: dict[str, Any], tiny: bool) -> None:
-    """Section 5 from what the report holds: each measured shape with the draft's timing and the pair's rates."""
+def remake_projections(report: dict[str, Any], tiny: bool, audit: FigureAudit) -> None:
+    """Section 5 from what the report holds (its figures checked already): each measured shape with the draft's
+    timing and the pair's rates; each projected figure checked in turn, one that fails withheld."""
     e2e = report.get("end_to_end")
     rates = pair_rates_from_run(e2e) if e2e and (e2e.get("real_pair") or tiny) else None
     rates = rates or pair_rates_from_cpu_results(RESULTS)
@@ -1541,16 +1872,25 @@ def remake_projections(report: dict[str, Any], tiny: bool) -> None:
             break
         projection = project(shape_result, report["draft"], rates)
         projection["shape"] = f"{shape_result['shape']['name']} {shape_result['dtype']}"
-        projection["ratios"] = ratios(projection)
+        for executor, rows in projection["executors"].items():
+            for method in list(rows):
+                name = f"{projection['shape']}, {executor}, {method}"
+                if not audit.passes("projection", partial(check_projected_row, name, rows[method])):
+                    projection.setdefault("withheld", {})[f"{executor}: {method}"] = rows.pop(method)
+        projection["ratios"] = {}
+        audit.passes("projection", lambda: projection.update(ratios=ratios(projection)))
         report["projections"].append(projection)
-        ours += published_comparison(projection, shape_result, link_gbps)[: -len(PUBLISHED)]
+        for row in published_comparison(projection, shape_result, link_gbps)[: -len(PUBLISHED)]:
+            if audit.passes("projection", partial(check_published_row, row)):
+                ours.append(row)
     report["published"] = ours + published_comparison({}, {"executors": {}}, link_gbps) if ours else []
 
 
 def save(report: dict[str, Any], out: Path, tiny: bool) -> None:
-    """Writes gpu_offload.json, .md and .png (the JSON by rename, so a killed run never leaves half a file)."""
+    """Writes gpu_offload.json, .md and .png (the JSON by rename, so a killed run never leaves half a file), every
+    figure checked first (:func:`check_figures`)."""
     report["notes"] = list(dict.fromkeys(report["notes"]))  # each section's process repeats the general ones
-    remake_projections(report, tiny)
+    check_figures(report, tiny)
     staged = out / "gpu_offload.json.part"
     staged.write_text(json.dumps(report, indent=2, default=str))
     staged.replace(out / "gpu_offload.json")
@@ -1566,6 +1906,7 @@ def run_section(report: dict[str, Any], label: str, work: Callable[[], Any], out
     instead of ending it, and a section killed from outside stays marked as started."""
     started = time.monotonic()
     report["sections"][label] = {"status": "started, never finished (killed at its time limit, or crashed)"}
+    report["figure_failures"] = [failure for failure in report["figure_failures"] if failure["section"] != label]
     save(report, out, tiny)
     print(f"section {label}", flush=True)
     try:
@@ -1595,7 +1936,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-counts", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 1024, 2048])
-    parser.add_argument("--prompts", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=3, help="end to end: prompts timed per method (at least 3: "
+                        "a median of fewer is one prompt's figure)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--pair", choices=("auto", "real", "synthetic"), default=None,
                         help="the end to end pair: the default pair, the synthetic one, or the default one when it "
@@ -1607,6 +1949,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the disk section writes its checkpoint (default: the first of $TMPDIR, /tmp, "
                         "/var/tmp with room, preferring one that allows O_DIRECT)")
     args = parser.parse_args(argv)
+    if args.prompts < 3:
+        parser.error(f"--prompts {args.prompts}: the end to end section needs at least 3 prompts for its medians")
     deadline = Deadline(args.time_budget)
     # A section past its budget is about to be killed by scripts/gpu_check (15 s after the budget, counted from
     # before the imports, which took 7-10 s on the H200): every thread's stack goes to the log first, so a section
@@ -1645,9 +1989,13 @@ def main(argv: list[str] | None = None) -> int:
     def link_gbps() -> float:
         return (report.get("link") or {}).get("pinned_gbps", math.nan)
 
-    def forward(measured_shape: LlamaShape, measured_layers: int, measured_executors: list[str]) -> None:
+    labels = {"forward": f"forward {shape.name} x{layers} layers", "largest": "largest bf16 shape",
+              "end_to_end": "end to end"}
+
+    def forward(measured_shape: LlamaShape, measured_layers: int, measured_executors: list[str], section: str) -> None:
         measured = measure_shape(measured_shape, measured_layers, measured_executors, args, device, link_gbps(),
                                  deadline, workdir)
+        measured["section"] = section  # where its figures' failures are reported
         add_shape(report, measured)
         for name, entry in measured["executors"].items():
             if entry.get("status") != "measured":
@@ -1661,7 +2009,7 @@ def main(argv: list[str] | None = None) -> int:
         if found is None:
             report["notes"].append("largest bf16 shape: not run: no shape fits host RAM twice")
             return
-        forward(found, found.layers, ["stream"])
+        forward(found, found.layers, ["stream"], labels["largest"])
 
     def end_to_end_section() -> None:
         pair = end_to_end_pair(pair_kind, args.prompts, workdir, report)
@@ -1676,15 +2024,13 @@ def main(argv: list[str] | None = None) -> int:
 
     work = {
         "link": lambda: report.update(link=link_bandwidth(device, args.link_mib << 20, args.repeats + 2)),
-        "forward": lambda: forward(shape, layers, executors),
+        "forward": lambda: forward(shape, layers, executors, labels["forward"]),
         "draft": lambda: report.update(draft=draft_timing(draft_shape, args.budgets, 256 if cuda else 16,
                                                           args.repeats, device, deadline)),
         "end_to_end": end_to_end_section,
         "largest": largest,
         "disk": disk_section,
     }
-    labels = {"forward": f"forward {shape.name} x{layers} layers", "largest": "largest bf16 shape",
-              "end_to_end": "end to end"}
     with tempfile.TemporaryDirectory(prefix="gpu_offload_") as scratch:
         workdir = Path(scratch)
         for section in args.sections:
@@ -1695,7 +2041,11 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = failing_mismatches(report.get("end_to_end")) if "end_to_end" in args.sections else []
     if mismatches:
         print(f"outputs differ from the in-memory greedy output beyond rounding: {mismatches}", flush=True)
-    return 1 if len(report["errors"]) > errors_before or mismatches else 0
+    if report["figure_failures"]:
+        print(f"{len(report['figure_failures'])} figure(s) failed their checks (FAILED in gpu_offload.md)", flush=True)
+    if len(report["errors"]) > errors_before or mismatches:
+        return 1
+    return EXIT_FIGURES_FAILED if report["figure_failures"] else 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ the arithmetic. scripts/gpu_check itself is rehearsed by scripts/gpu_rehearse (s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import gc
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -43,16 +46,21 @@ def test_tiny_run_measures_every_section_and_writes_its_report(tiny_run):
     methods = report["end_to_end"]["executors"]["stream"]["methods"]
     assert set(methods) == {"plain generate", "HF assisted", "SpecExec budget 4", "SpecExec budget 16"}
     assert all(row["status"] == "measured" and all(row["equals_in_memory_greedy"]) for row in methods.values())
-    for row in methods.values():  # where the time went, the drafting inside the whole
+    assert report["end_to_end"]["prompts"] == 3 and "host clocks" in report["end_to_end"]["time_split"]
+    for row in methods.values():  # where the median prompt's time went: the forwards inside the whole, the host's rest
         split = row["seconds"]
         assert split["seconds"] >= split["target_seconds"] + split["draft_seconds"] > 0
+        assert split["host_seconds"] == pytest.approx(split["seconds"] - split["target_seconds"] - split["draft_seconds"])
+        assert len(row["tokens_per_second_per_prompt"]) == 3 and len(row["equals_in_memory_greedy"]) == 3
+        assert row["tokens_per_second"] == sorted(row["tokens_per_second_per_prompt"])[1]
     drafting = {method: methods[method]["seconds"]["draft_seconds"] for method in ("plain generate", "HF assisted")}
     assert drafting["plain generate"] == 0 < drafting["HF assisted"]
     assert {"plain generate", "SpecExec budget 16"} <= set(report["projections"][0]["executors"]["stream"])
     assert [row["system"].split(",")[0] for row in report["published"]][-3:] == [
         "SpecExec paper (Svirschevski et al.", "SpecExec paper (Svirschevski et al.", "UMbreLLa README"]
-    assert report["errors"] == []
+    assert report["errors"] == [] and report["figure_failures"] == []
     markdown = (out / "gpu_offload.md").read_text()
+    assert "FAILED" not in markdown
     assert "## End to end" in markdown and "## Projected tokens/s" in markdown and "not normalised" in markdown
     assert "## SSD tier" in markdown
 
@@ -220,8 +228,8 @@ def test_an_executor_s_model_is_freed_before_the_next_one_is_placed(tmp_path):
 
 @pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
 def test_quantized_layers_stream_their_packed_bytes(tmp_path):
-    """--weights int4: the stream executor and the resident floor run; what streams is the packed int4 layers plus
-    the 16-bit head, far below the float layers' bytes; the whole-shape extrapolation scales the layers only."""
+    """--weights int4: the stream executor and the resident floor run; a layer's bytes are its packed int4 weights,
+    far below its float bytes; every layer of the tiny shape was built, so nothing is extrapolated."""
     assert gpu_offload.main(["--tiny", "--weights", "int4", "--sections", "link", "forward", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_offload.json").read_text())
     (shape,) = report["shapes"]
@@ -229,11 +237,11 @@ def test_quantized_layers_stream_their_packed_bytes(tmp_path):
     stream = shape["executors"]["stream"]
     assert stream["status"] == "measured" and set(stream["seconds"]) == {"1", "16", "64", "256"}
     config = gpu_offload.SHAPES["tiny"].config()
-    float_layers = shape["parameter_bytes_built"] - 2 * config.vocab_size * config.hidden_size * 4 - config.hidden_size * 4
-    assert stream["head_bytes"] == config.vocab_size * config.hidden_size * 4
-    assert 0 < stream["streamed_bytes"] - stream["head_bytes"] < 0.25 * float_layers
-    assert stream["full_shape_seconds"] == stream["seconds"]  # every layer of the tiny shape was built
-    assert report["errors"] == []
+    float_layer = (shape["parameter_bytes_built"] - 2 * config.vocab_size * config.hidden_size * 4
+                   - config.hidden_size * 4) / config.num_hidden_layers
+    assert 0 < shape["layer_bytes"] < 0.25 * float_layer
+    assert stream["full_shape_scale"] == 1 and stream["full_shape_seconds"] == stream["seconds"]
+    assert report["errors"] == [] and report["figure_failures"] == []
 
 
 points = st.dictionaries(st.integers(1, 4096), st.floats(1e-3, 10.0), min_size=2, max_size=6)
@@ -345,3 +353,185 @@ def test_graphed_rows_swap_the_eager_feed_for_the_replay_and_count_for_no_goal()
     del draft["tree_feed"]["cuda_graph_seconds"]
     assert set(gpu_offload.project(shape, draft, rates)["executors"]["stream"]) == {"plain generate",
                                                                                   "SpecExec budget 256"}
+
+
+# Figures that cannot lie (issue 56): every figure is checked before it is written --------------------------------
+
+figure_checks = benchmark_script("figure_checks")
+FigureError = figure_checks.FigureError
+RUN4 = REPO / "benchmarks" / "results" / "gpu_offload" / "nvidia-h200" / "run4"
+NOISE = figure_checks.MEASURED
+
+
+@pytest.mark.parametrize("check, why", [
+    (lambda: figure_checks.positive("forward seconds", -0.079), "not a finite number above zero"),
+    (lambda: figure_checks.positive("forward seconds", 0.0), "not a finite number above zero"),
+    (lambda: figure_checks.positive("tokens/s", math.nan), "not a finite number above zero"),
+    (lambda: figure_checks.positive("tokens/s", math.inf), "not a finite number above zero"),
+    (lambda: figure_checks.positive("tokens/s", None), "not a finite number above zero"),
+    (lambda: figure_checks.non_negative("draft seconds", -1e-3), "not a finite number of at least zero"),
+    (lambda: figure_checks.within_bound("GB/s", 60.0, 55.3, NOISE), "above 1.05x the measured bound"),
+    (lambda: figure_checks.within_bound("GB/s", 50.0, math.nan, NOISE), "not a finite number above zero"),
+    (lambda: figure_checks.not_falling("seconds", {"1": 0.25, "16": 0.25, "1024": 0.2}, None, NOISE),
+     "0.2 s over 1024 tokens, less than 0.25 s over 1"),
+    (lambda: figure_checks.not_falling("seconds", {"1": 0.25, "16": math.nan}, None, NOISE), "at 16 tokens"),
+    (lambda: figure_checks.not_falling("seconds", {}, None, NOISE), "no point at all"),
+    (lambda: figure_checks.parts_within("seconds", 1.0, {"target": 0.6, "draft": 0.6}, NOISE), "add up to more"),
+    (lambda: figure_checks.ratio("1024 / 1 token", -0.715, -0.079), "numerator"),  # a ratio of two wrong signs
+])
+def test_each_check_fails_on_a_figure_that_cannot_be_right(check, why):
+    with pytest.raises(FigureError, match=re.escape(why)):
+        check()
+
+
+@given(value=st.one_of(st.floats(), st.integers(-3, 3)))
+def test_a_figure_is_positive_exactly_when_it_is_a_finite_number_above_zero(value):
+    if math.isfinite(value) and value > 0:
+        assert figure_checks.positive("figure", value) == value
+    else:
+        with pytest.raises(FigureError, match="^figure: "):
+            figure_checks.positive("figure", value)
+
+
+counts = ["1", "16", "64", "256", "1024", "2048"]
+
+
+@given(times=st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=6), data=st.data())
+def test_a_curve_passes_while_rising_or_within_its_spread_and_fails_falling_beyond_it(times, data):
+    rising = dict(zip(counts, sorted(times)))
+    figure_checks.not_falling("seconds", rising, None, NOISE)
+    fewer, more = sorted(data.draw(st.lists(st.sampled_from(list(rising)), min_size=2, max_size=2, unique=True),
+                                   label="pair"), key=int)
+    falling = {**rising, more: rising[fewer] * (1 - NOISE.fall) * data.draw(st.floats(0.01, 0.99), label="drop")}
+    falling = {n: (s if int(n) <= int(more) else max(s, rising[fewer])) for n, s in falling.items()}
+    with pytest.raises(FigureError, match=f"over {more} tokens, less than"):
+        figure_checks.not_falling("seconds", falling, None, NOISE)
+    # the same medians pass when the repeats show that much noise: the slow repeat at more tokens is not faster
+    slowest = max(s for n, s in rising.items() if int(n) < int(more))
+    spread = {n: [s, s] for n, s in falling.items()} | {more: [falling[more], slowest]}
+    figure_checks.not_falling("seconds", falling, spread, NOISE)
+
+
+def run4_int4_shape() -> dict:
+    (shape,) = [s for s in json.loads((RUN4 / "call2" / "gpu_offload.json").read_text())["shapes"]]
+    assert shape["dtype"] == "bfloat16, int4 layers"
+    return shape
+
+
+def test_run_4_s_negative_int4_extrapolation_fails_its_checks_and_nothing_is_built_on_it():
+    """Run 4's Llama-3-70B int4 section as the device wrote it: right raw seconds, full-shape seconds of -0.079 ...
+    -1.42 s, and a report that printed 535 tok/s, 1272 tokens per weight-stream and -42x from them with exit 0."""
+    report = json.loads((RUN4 / "call3" / "gpu_offload.json").read_text())
+    report["shapes"] = [run4_int4_shape()]
+    del report["disk"]  # its curve falls 10% from 1 to 16 tokens, and run 4 recorded no spread to call that noise
+    gpu_offload.check_figures(report, tiny=False)
+    stream = report["shapes"][0]["executors"]["stream"]
+    assert stream["status"].startswith("FAILED") and "-0.0787" in stream["status"]
+    assert "full_shape_seconds" not in stream and stream["withheld"]["full_shape_seconds"]["2048"] < 0
+    assert stream["seconds"]["1"] == pytest.approx(0.0268, abs=1e-4)  # the measured seconds are kept: they are right
+    section = "forward Llama-3-70B x4 layers"
+    assert report["sections"][section]["status"].startswith("FAILED")
+    assert [(f["section"], f["figure"]) for f in report["figure_failures"]] == [
+        (section, "Llama-3-70B bfloat16, int4 layers x4 layers, stream: full-shape forward seconds at 1 tokens")]
+    assert report["shapes"][0]["goals"] == {}  # its 1024 / 1 token ratio (9.08 of two negatives) is not made
+    (projection,) = report["projections"]
+    assert projection["executors"] == {} and report["published"] == []  # no tokens/s, no ratio, no -42x
+    markdown = gpu_offload.markdown(report)
+    assert "FAILED: 1 figure(s) failed their checks" in markdown and "535" not in markdown and "-0.079" not in markdown
+
+
+def test_run_4_s_int4_seconds_extrapolate_by_the_layers_bytes_alone():
+    """The fix: the whole shape streams the build's bytes plus one layer's for each layer left out; the 2.1 GB head,
+    which the 4-layer build never streamed (a buffer of its own), is not taken off them."""
+    shape = {**run4_int4_shape(), "layer_bytes": 454_590_464}  # one int4 layer (its read-ahead bytes)
+    stream = shape["executors"]["stream"]
+    scale = gpu_offload.extrapolation_scale(stream, shape)
+    assert gpu_offload.full_shape_streamed_bytes(stream, shape) == 1_363_771_392 + 76 * 454_590_464
+    assert scale == pytest.approx(26.33, abs=0.01)
+    seconds = {n: s * scale for n, s in stream["seconds"].items()}
+    assert seconds["1"] == pytest.approx(0.705, abs=1e-3)
+    figure_checks.not_falling("full-shape seconds", seconds, None, NOISE)
+
+
+def test_a_float_build_extrapolates_as_before_by_its_missing_layers_bytes():
+    shape = gpu_offload.SHAPES["llama-70b"]
+    with torch.device("meta"):
+        built = gpu_offload.LlamaForCausalLM(shape.config(1)).to(torch.bfloat16)
+    result = {"shape": dataclasses.asdict(shape), "layers_built": 10,
+              "parameter_bytes_built": shape.parameter_bytes(torch.bfloat16, 10),
+              "parameter_bytes_full_shape": shape.parameter_bytes(torch.bfloat16),
+              "layer_bytes": gpu_offload.decoder_layer_bytes(built, None)}
+    entry = {"streamed_bytes": 17_503_141_888}
+    missing = result["parameter_bytes_full_shape"] - result["parameter_bytes_built"]
+    assert gpu_offload.full_shape_streamed_bytes(entry, result) == entry["streamed_bytes"] + missing
+    assert gpu_offload.extrapolation_scale({"streamed_bytes": 0}, result) == pytest.approx(
+        result["parameter_bytes_full_shape"] / result["parameter_bytes_built"])
+
+
+def test_a_figure_that_fails_its_check_fails_the_run_and_its_section(tmp_path, monkeypatch):
+    """Run 4's bug put back (a negative extrapolation scale): the run exits non-zero, its section and the figure say
+    FAILED in the report, and no projection is built on the figure."""
+    monkeypatch.setattr(gpu_offload, "extrapolation_scale", lambda entry, shape_result: -2.94)
+    returncode = gpu_offload.main(["--tiny", "--out", str(tmp_path), "--sections", "link", "draft", "forward",
+                                   "--layers", "2", "--executors", "stream"])
+    assert returncode == gpu_offload.EXIT_FIGURES_FAILED
+    report = json.loads((tmp_path / "gpu_offload.json").read_text())
+    assert report["sections"]["forward tiny Llama x2 layers"]["status"].startswith("FAILED: tiny Llama float32 x2")
+    assert report["sections"]["link"]["status"] == report["sections"]["draft"]["status"] == "done"
+    (failure,) = report["figure_failures"]
+    assert "full-shape forward seconds" in failure["figure"] and "not a finite number above zero" in failure["why"]
+    assert report["shapes"][0]["executors"]["stream"]["status"].startswith("FAILED")
+    assert all(not projection["executors"] for projection in report["projections"])
+    markdown = (tmp_path / "gpu_offload.md").read_text()
+    assert "## Figures that failed their checks" in markdown and "**FAILED** (forward tiny Llama x2 layers)" in markdown
+
+
+def test_a_section_run_again_drops_its_earlier_failures_and_keeps_the_others(tmp_path):
+    failed = {"sections": {"disk": {"status": "FAILED: x"}, "draft": {"status": "FAILED: y"}},
+              "figure_failures": [{"section": "disk", "figure": "SSD tier", "why": "x"},
+                                  {"section": "draft", "figure": "draft", "why": "y"}]}
+    redone = {"sections": {"disk": {"status": "done"}}, "figure_failures": []}
+    (tmp_path / "1.json").write_text(json.dumps(failed))
+    (tmp_path / "2.json").write_text(json.dumps(redone))
+    merged = gpu_offload.merged_reports([tmp_path / "1.json", tmp_path / "2.json"])
+    assert merged["figure_failures"] == [failed["figure_failures"][1]]
+    assert merged["sections"]["disk"]["status"] == "done"
+
+
+def test_each_method_is_warmed_up_by_a_full_length_generation_then_every_prompt_is_timed(tmp_path, monkeypatch):
+    calls = []
+    timed_generate = gpu_offload.timed_generate
+
+    def recorded(model, inputs, max_new_tokens, device, **kwargs):
+        calls.append((inputs["input_ids"].tolist(), max_new_tokens))
+        return timed_generate(model, inputs, max_new_tokens, device, **kwargs)
+
+    monkeypatch.setattr(gpu_offload, "timed_generate", recorded)
+    pair = gpu_offload.synthetic_pair(3, tmp_path)
+    result = gpu_offload.end_to_end(pair, ["stream"], [4], 6, torch.device("cpu"), gpu_offload.Deadline(300), tmp_path)
+    prompts = [inputs["input_ids"].tolist() for inputs in pair.prompts]
+    methods = result["executors"]["stream"]["methods"]
+    assert calls[:3] == [(prompt, 6) for prompt in prompts]  # the in-memory reference outputs
+    assert len(calls) == 3 + 4 * len(methods)
+    for position in range(len(methods)):  # the full-length warm-up, then each prompt
+        assert calls[3 + 4 * position : 3 + 4 * (position + 1)] == [(prompts[0], 6)] + [(p, 6) for p in prompts]
+    for row in methods.values():
+        assert row["status"] == "measured"
+        assert row["tokens_per_second"] == sorted(row["tokens_per_second_per_prompt"])[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_time_split_is_the_device_s_time_in_each_model_s_forwards():
+    target = gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32).cuda()
+    draft = gpu_offload.random_llama(gpu_offload.DRAFT_SHAPES["tiny"], 2, torch.float32).cuda()
+    inputs = {"input_ids": torch.tensor([[3, 5, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    row = gpu_offload.timed_generate(target, inputs, 8, torch.device("cuda"), assistant_model=draft)
+    assert row["target_forwards"] > 0 and row["draft_forwards"] > 0
+    assert row["target_seconds"] > 0 and row["draft_seconds"] > 0
+    figure_checks.parts_within("seconds", row["seconds"], {"target": row["target_seconds"],
+                                                          "draft": row["draft_seconds"]}, NOISE)
+    with gpu_offload.DeviceForwardMeter(target) as meter:
+        with torch.no_grad():
+            target(input_ids=inputs["input_ids"].cuda())
+    assert meter.calls == len(meter.spans) == 1 and meter.device_seconds() > 0

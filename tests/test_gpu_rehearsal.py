@@ -113,6 +113,18 @@ def test_the_checks_pass_complete_results_and_catch_each_kind_of_broken_ones(tmp
         "call 2: benchmark section disk is done but its figures (disk) are not in gpu_offload.json"]
 
 
+def test_a_figure_that_failed_its_check_fails_the_call(tmp_path):
+    section = "forward Llama-3-70B x4 layers"
+    why = "-0.0788 is not a finite number above zero"
+    failure = {"section": section, "figure": "Llama-3-70B, stream: full-shape forward seconds at 1 tokens", "why": why}
+    out = call_results(tmp_path / "failed", {section: {"status": f"FAILED: {why}"}},
+                       figures={"shapes": [{}], "figure_failures": [failure]})
+    assert gpu_rehearse.check_call(2, out, 1, expected=0) == [
+        f"call 2: exit code 1, expected 0 (see {out}/gpu_check.log)",
+        f"call 2: benchmark section {section}: FAILED: {why}",
+        f"call 2: a figure failed its check ({section}): {failure['figure']}: {why}"]
+
+
 def test_the_last_call_s_merged_report_must_hold_every_section(tmp_path):
     every = {"link": "done", "forward Llama-3-8B x32 layers": "done", "draft": "done", "end to end": "done",
              "largest bf16 shape": "done", "disk": "done"}
