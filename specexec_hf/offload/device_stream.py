@@ -10,10 +10,12 @@ previous layer computes; events order them (see :class:`DeviceLayerStreamer`), n
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from transformers import PreTrainedModel
 
 from .device import StreamDevice
 from .direct_io import BLOCK, ReadPlan, plan_reads, round_up
+from .expand import PackedWeight, expand_into, expandable, packed_weight, streamed_form
 from .layout import (
     Copy,
     OffloadedParameter,
@@ -52,6 +55,8 @@ class _DeviceSlot(RingSlot):
             into the slot waits for it (``None`` before the first read).
         staging: The pinned, block-aligned buffer disk-placed layers of this slot are read into, or ``None``.
         staged: The done event of the last copy out of ``staging``: the reader waits for it before overwriting.
+        dense: The device buffer the quantized linear weights of this slot's layers expand into, or ``None``.
+        expanded: The fill whose quantized weights ``dense`` holds expanded (``None``: none yet).
     """
 
     filled: Future = field(default_factory=lambda: _resolved(None))
@@ -59,6 +64,8 @@ class _DeviceSlot(RingSlot):
     free: Any = None
     staging: torch.Tensor | None = None
     staged: Any = None
+    dense: torch.Tensor | None = None
+    expanded: Future | None = None
 
 
 class DeviceLayerStreamer(LayerStreamer):
@@ -75,6 +82,14 @@ class DeviceLayerStreamer(LayerStreamer):
     rewritten under the model raises :class:`~.direct_io.WeightFileError`. A failed copy or read is raised in the
     forward that needs it.
 
+    Quantized linear weights (optimum-quanto int4 and int8, weight-only) are streamed packed, in quanto's generic
+    layout, and expanded into a dense weight in the compute dtype (:mod:`.expand`) on the compute queue, after the
+    layer's copy-done event and before the layer computes, once per fill; the layer then runs a plain
+    ``nn.Linear`` (a 4-bit product is compute-bound over a tree; the dense one is as flat as bfloat16's). Each slot
+    serving such layers has one dense buffer, the size of its largest layer's dense weights: the expanded image of
+    the slot, with the slot's lifetime, so a layer alone in its slot (an LM head) is expanded once and stays, and the
+    copies of the next layers, whose slot-free events are recorded before the expansion is queued, overlap it.
+
     Use :meth:`install_on_device`, or ``load_offloaded(..., executor="stream")`` with a GPU in ``max_memory``;
     :func:`~.stream.layer_streamer` finds a model's streamer. For benchmarks: ``buffer_bytes`` (the device ring),
     ``host_bytes`` (pinned host memory), ``streamed_bytes_per_forward``, and ``wait_idle()``.
@@ -89,6 +104,8 @@ class DeviceLayerStreamer(LayerStreamer):
         prefetch: Layers loaded ahead of the one computing.
         pinned: Every pinned host buffer (the layers in RAM, the staging buffers), unpinned by :meth:`close`.
         device: The device operations.
+        expansions: Per layer, its quantized weights as bound over its slot and the views of the slot's ``dense``
+            buffer they expand into; ``None``: no layer has any.
     """
 
     def __init__(
@@ -101,10 +118,12 @@ class DeviceLayerStreamer(LayerStreamer):
         prefetch: int,
         pinned: list[torch.Tensor],
         device: StreamDevice,
+        expansions: list[list[tuple[PackedWeight, torch.Tensor]]] | None = None,
     ):
         unit_bytes = [sum(upload.source.numel() for upload in unit) for unit in uploads]
         super().__init__(unit_names, units, slots, slot_of, unit_bytes, prefetch)
         self._uploads = uploads
+        self._expansions = expansions or [[] for _ in unit_names]
         self._pinned_bytes = sum(buffer.numel() for buffer in pinned)
         self._device = device
         # Unpinned by close(), or when the streamer is collected: freeing registered memory would leak the pin.
@@ -112,7 +131,12 @@ class DeviceLayerStreamer(LayerStreamer):
 
     @classmethod
     def install_on_device(
-        cls, model: PreTrainedModel, device_map: Mapping[str, int | str], device: StreamDevice, prefetch: int = 1
+        cls,
+        model: PreTrainedModel,
+        device_map: Mapping[str, int | str],
+        device: StreamDevice,
+        prefetch: int = 1,
+        expand_quantized: bool = True,
     ) -> DeviceLayerStreamer | None:
         """Moves a CPU/disk-dispatched model to ``device``, streaming the units ``device_map`` leaves on the host.
 
@@ -123,6 +147,10 @@ class DeviceLayerStreamer(LayerStreamer):
                 ``"disk"`` units are streamed, any other value means resident on ``device``.
             device: The device operations (:class:`~.device.CudaDevice`, or a test stand-in).
             prefetch: Layers loaded ahead of the one computing.
+            expand_quantized: Stream the quantized linear weights of streamed layers packed and expand them on the
+                device into dense ``nn.Linear`` weights (see the class). ``False``: stream them in the layout quanto
+                picks for the device and multiply with quanto's kernels (the path before expansion, for
+                comparison). Resident layers keep quanto's form either way.
 
         Returns:
             The streamer, or ``None`` when every unit is resident.
@@ -138,12 +166,17 @@ class DeviceLayerStreamer(LayerStreamer):
             model,
             streamed,
             resident=lambda parameter: id(parameter) in resident_ids,
-            execution_form=lambda tensor: tensor.to(device.device),
+            execution_form=partial(_execution_form, device.device, expand_quantized),
         )
         streamed = [name for name in streamed if parameters[name]]  # units whose weights are all tied to resident ones
         if not streamed:
             model.to(device.device)
             return None
+        expanded = [
+            _expanded_linears(model.get_submodule(name), parameters[name]) if expand_quantized else []
+            for name in streamed
+        ]
+        dense_layouts = [_dense_layout(linears, device.alignment) for linears in expanded]
         plans = [plan_runs(parameters.pop(name), device.alignment, each_fresh=True) for name in streamed]
         # A disk-placed unit's staging is laid out as the CPU ring is (each run at its file offset modulo a block,
         # in blocks of its own), so that direct reads land in place; its slot keeps the device's layout.
@@ -162,12 +195,16 @@ class DeviceLayerStreamer(LayerStreamer):
                 staging = whole[-whole.data_ptr() % BLOCK :][: max(staging_sizes)]
                 pinned.append(whole)
             buffer = device.allocate(max(plans[position][0] for position in members))
-            slots.append(_DeviceSlot(buffer, staging=staging))
-        units, uploads = [], []
+            dense_bytes = max(dense_layouts[position][0] for position in members)
+            dense = device.allocate(dense_bytes) if dense_bytes else None
+            slots.append(_DeviceSlot(buffer, staging=staging, dense=dense))
+        units, uploads, expansions = [], [], []
         for position, name in enumerate(streamed):
             size, runs = plans[position]
             plans[position] = None  # with the module rebound below, the last reference to its weights in RAM
             slot = slots[slot_of[position]]
+            bind_views(runs, slot.buffer)
+            expansions.append(_bind_dense(model, name, expanded[position], dense_layouts[position][1], slot.dense))
             if position in staged:
                 staged_runs = staged[position][1]
                 units.append((model.get_submodule(name), plan_reads(unit_spans(staged_runs, slot.staging))))
@@ -179,10 +216,9 @@ class DeviceLayerStreamer(LayerStreamer):
                     copy.target.copy_(copy.source)
                 units.append((model.get_submodule(name), None))
                 uploads.append([Copy(host, slot.buffer[:size])])
-            bind_views(runs, slot.buffer)
             del runs
         model.to(device.device)  # resident units; the streamed ones are bound to device views already
-        streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device)
+        streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device, expansions)
         model._specexec_layer_streamer = streamer
         return streamer
 
@@ -194,6 +230,11 @@ class DeviceLayerStreamer(LayerStreamer):
         shared = slot_members(self._slot_of)
         first = range(min(self._prefetch, len(self._units)))
         return sum(self._unit_bytes[position] for position in first if len(shared[self._slot_of[position]]) > 1)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Device bytes of the dense buffers the quantized weights expand into (one per slot that serves them)."""
+        return sum(slot.dense.numel() for slot in self._slots if slot.dense is not None)
 
     @property
     def host_bytes(self) -> int:
@@ -258,9 +299,78 @@ class DeviceLayerStreamer(LayerStreamer):
         self._device.compute_wait(slot.filled.result())
         slot.opened = True
 
+    def _before_unit(self, position: int, module: nn.Module, args: tuple) -> None:
+        super()._before_unit(position, module, args)  # waits for the layer's copy, then queues the next ones
+        self._expand(self._slots[self._slot_of[position]])
+
+    def _expand(self, slot: _DeviceSlot) -> None:
+        """Expands the quantized weights of the layer ``slot`` holds into its dense buffer, once per fill.
+
+        Queued on the compute queue after the wait for the layer's copy, and after the copies of the next layers
+        were queued (their slot-free events are recorded before it, so that they overlap it); the copy that next
+        overwrites this slot waits for a slot-free event recorded later, after the layer computed.
+        """
+        if slot.expanded is slot.filled:
+            return
+        for weight, dense in self._expansions[slot.position]:
+            expand_into(weight, dense)
+        slot.expanded = slot.filled
+
     def _await_on_host(self, slot: _DeviceSlot) -> None:
         if slot.position is not None and slot.filled.exception() is None:  # a failed read has nothing in flight
             self._device.host_wait(slot.filled.result())
+
+
+def _execution_form(device: torch.device, expand_quantized: bool, tensor: torch.Tensor) -> torch.Tensor:
+    """A streamed layer's tensor-subclass weight as its slot holds it: a quantized weight that expands, in quanto's
+    generic layout on the host (:func:`~.expand.streamed_form`); any other, as quanto lays it out for ``device``."""
+    if expand_quantized and expandable(tensor):
+        return streamed_form(tensor)
+    return tensor.to(device)
+
+
+def _expanded_linears(unit: nn.Module, parameters: list[OffloadedParameter]) -> list[tuple[str, nn.Linear]]:
+    """``(name in unit, module)`` of each linear layer of ``unit`` whose streamed weight expands into a dense one:
+    a weight-only quantized one (a quanto module quantizing its activations too keeps its own forward)."""
+    streamed = {id(parameter.owner) for parameter in parameters if parameter.attribute == "weight"}
+    return [
+        (name, module)
+        for name, module in unit.named_modules()
+        if isinstance(module, nn.Linear)
+        and id(module) in streamed
+        and expandable(module.weight)
+        and getattr(module, "activation_qtype", None) is None
+    ]
+
+
+def _dense_layout(linears: list[tuple[str, nn.Linear]], alignment: int) -> tuple[int, list[int]]:
+    """The dense buffer bytes that the weights of ``linears`` expand into and each one's offset there, every weight
+    ``alignment``-aligned as the in-memory model's own allocation of it would be."""
+    offsets, size = [], 0
+    for _, linear in linears:
+        offsets.append(round_up(size, alignment))
+        size = offsets[-1] + linear.weight.numel() * linear.weight.dtype.itemsize
+    return size, offsets
+
+
+def _bind_dense(
+    model: nn.Module, unit: str, linears: list[tuple[str, nn.Linear]], offsets: list[int], dense: torch.Tensor | None
+) -> list[tuple[PackedWeight, torch.Tensor]]:
+    """Replaces each quantized linear layer of ``model``'s unit ``unit`` (named within it, ``""`` for the unit
+    itself; its weight bound over the ring slot already) by a plain ``nn.Linear`` over its view of ``dense``;
+    returns the packed weights and the views they expand into."""
+    expansions = []
+    for (name, linear), offset in zip(linears, offsets):
+        weight = packed_weight(linear.weight)
+        nbytes = math.prod(weight.shape) * weight.dtype.itemsize
+        view = dense[offset : offset + nbytes].view(weight.dtype).view(weight.shape)
+        plain = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(view, requires_grad=False)
+        plain.bias = linear.bias
+        parent, _, attribute = ".".join(filter(None, (unit, name))).rpartition(".")
+        setattr(model.get_submodule(parent), attribute, plain)
+        expansions.append((weight, view))
+    return expansions
 
 
 def _members(runs: list[Run]) -> list[OffloadedParameter]:
