@@ -16,11 +16,11 @@ with every decision left on the device:
   parent and has a larger index, so they form a tree. Those are the nodes best-first keeps after the same number of
   draft forwards: both expand the best unexpanded candidates, and the only other candidates this search expands
   rank below every kept node, so their children never enter.
-- The number of rounds is fixed before the tree starts, since stopping when the tree stops improving would be a
-  read per round. :meth:`result` reads the device once: how many of the best nodes are real candidates, and after
-  how many forwards best-first would have stopped (no frontier node could still place a child inside the budget,
-  or a forward gained less than ``min_draft_gain`` asks); :class:`RoundPolicy` sizes the next trees' rounds from
-  that.
+- The rounds come in batches whose length is fixed when the batch starts, since stopping when the tree stops
+  improving would be a read per round. The end of a batch is the search's only host read: how many of the best
+  nodes are possible candidates, and after how many forwards best-first would have stopped (no frontier node could
+  still place a child inside the budget, or a forward gained less than ``min_draft_gain`` asks). While best-first
+  would go on, another batch follows; :class:`RoundPolicy` sizes the first batch from the earlier trees' stops.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ class RoundSearch:
         if self.min_draft_gain > 0:
             gained = forecast - torch.cat([forecast.new_zeros(1), forecast[:-1]])
             stops |= gained < self.min_draft_gain * (1 + forecast)
-        first = torch.argmax(stops.to(torch.int8)) + 1  # the first maximum
+        first = torch.argmax(stops.int()) + 1  # the first maximum: the first round that stops
         return torch.where(stops.any(), first, self.forwards + 1)[None]
 
 
