@@ -82,7 +82,7 @@ def test_packed_checkpoint_streams_packed_into_the_decompressed_models_logits(tm
             assert type(weight).__name__ == "WeightQBitsTensor" and weight._data._data.dtype == torch.uint8
             assert torch.equal(weight.dequantize(), module.weight)
     streamed = stream_on_device(converted, layer_map(converted, "cpu"), OrderCheckingDevice())
-    assert layer_streamer(streamed).dense_bytes > 0  # packed in the ring, expanded beside it
+    assert layer_streamer(streamed).expansion_bytes > 0  # packed in the ring, expanded beside it
     with torch.no_grad():
         for ids in (prompt(0, 1), prompt(1, 24)):
             assert torch.equal(streamed(ids).logits, decompressed(ids).logits)

@@ -15,6 +15,7 @@ from test_cuda_executor import layer_map, placed, prompt
 from test_quantized_disk import FORMS
 from test_quantized_disk import quantized_model as quantized_layers_model
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from specexec_hf.offload import OrderCheckingDevice, OrderingError, device_stream, layer_streamer, stream_on_device
@@ -46,7 +47,7 @@ def int8_weight(rows: int, columns: int, dtype: torch.dtype, seed: int) -> torch
 
 def expanded(weight: PackedWeight) -> torch.Tensor:
     dense = torch.full(weight.shape, float("nan"), dtype=weight.dtype)  # nothing left unwritten passes
-    expand_into(weight, dense)
+    expand_into(weight, dense, torch.full((weight.scratch_bytes + 3,), 0xFF, dtype=torch.uint8))
     return dense
 
 
@@ -78,6 +79,32 @@ def test_int8_expansion_is_bit_equal_to_quantos_dequantize(rows, columns, dtype,
     assert torch.equal(expanded(packed_weight(weight)), weight.dequantize())
 
 
+class OutputDtypes(TorchDispatchMode):
+    """Records ``(op, output dtype, its inputs' promoted dtype)`` for every kernel called with ``out=``."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "out" in kwargs:
+            self.outputs.append((func, kwargs["out"].dtype, torch.result_type(args[0], args[1])))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_writes_the_dtype_its_inputs_promote_to(dtype, zero_point):
+    """As torch's CUDA kernels need: they dispatch on the output's dtype (bitwise ones take integer outputs only);
+    only the CPU casts into another output dtype, through a temporary. So nothing this CPU test sees can fail there."""
+    for weight in (quantized_weight(6, 64, dtype, 32, zero_point, 0), int8_weight(6, 64, dtype, 0)):
+        weight = packed_weight(weight)
+        with OutputDtypes() as recorded:
+            expanded(weight)
+        assert recorded.outputs and all(output == promoted for _, output, promoted in recorded.outputs)
+
+
 def test_a_generic_weight_is_taken_as_views_of_its_own_inner_tensors():
     weight = quantized_weight(20, 256, torch.float32, 128, False, 0)
     packed = packed_weight(weight)
@@ -103,12 +130,15 @@ def test_a_weight_that_does_not_expand_is_refused_naming_the_setting():
         packed_weight(torch.zeros(4, 4))
 
 
-def test_a_dense_buffer_of_another_shape_or_dtype_is_refused():
+def test_a_dense_buffer_of_another_shape_or_dtype_or_a_short_scratch_is_refused():
     packed = packed_weight(quantized_weight(4, 64, torch.float32, 32, False, 0))
+    scratch = torch.empty(packed.scratch_bytes, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"expands into a contiguous \[4, 64\] torch.float32"):
-        expand_into(packed, torch.empty(4, 64, dtype=torch.bfloat16))
+        expand_into(packed, torch.empty(4, 64, dtype=torch.bfloat16), scratch)
     with pytest.raises(ValueError, match="contiguous"):
-        expand_into(packed, torch.empty(64, 4).t())
+        expand_into(packed, torch.empty(64, 4).t(), scratch)
+    with pytest.raises(ValueError, match=f"needs {packed.scratch_bytes} x uint8"):
+        expand_into(packed, torch.empty(4, 64), scratch[1:])
 
 
 # The device executor, on the CPU through OrderCheckingDevice.
@@ -161,7 +191,7 @@ def checked_expansions(monkeypatch, streamed, device: OrderCheckingDevice) -> li
     expand = device_stream.expand_into
     expanded = []
 
-    def checked(weight, dense):
+    def checked(weight, dense, scratch):
         slot = slot_holding(streamer, weight.packed)
         if slot.buffer.data_ptr() not in device._open:
             raise OrderingError(
@@ -169,7 +199,7 @@ def checked_expansions(monkeypatch, streamed, device: OrderCheckingDevice) -> li
                 "it was issued"
             )
         expanded.append(slot.position)
-        expand(weight, dense)
+        expand(weight, dense, scratch)
 
     monkeypatch.setattr(device_stream, "expand_into", checked)
     return expanded
@@ -235,7 +265,8 @@ def test_packed_bytes_stream_and_the_dense_weights_are_fixed_views_expanded_once
     assert type(streamed.lm_head) is nn.Linear and slot_holding(streamer, streamed.lm_head.weight, "dense")
     q_proj = [streamed.model.layers[index].self_attn.q_proj.weight for index in (0, 2)]
     assert slot_holding(streamer, q_proj[0], "dense") is slot_holding(streamer, q_proj[1], "dense")
-    assert streamer.dense_bytes == sum(slot.dense.numel() for slot in streamer._slots if slot.dense is not None)
+    dense_bytes = sum(slot.dense.numel() for slot in streamer._slots if slot.dense is not None)
+    assert streamer.expansion_bytes == dense_bytes + streamer._scratch.numel() and streamer._scratch.numel() > 0
     addresses = [p.data_ptr() for p in streamed.parameters()]
     ids = prompt(0, 5)
     forwards = 3
@@ -291,7 +322,7 @@ def test_the_packed_path_stays_reachable_for_comparison():
                                 expand_quantized=False)
     weight = streamed.model.layers[0].mlp.down_proj.weight
     assert type(weight) is type(reference.model.layers[0].mlp.down_proj.weight)
-    assert layer_streamer(streamed).dense_bytes == 0
+    assert layer_streamer(streamed).expansion_bytes == 0
     ids = prompt(1, 6)
     with torch.no_grad():
         assert torch.equal(streamed(ids).logits, reference(ids).logits)
@@ -327,11 +358,11 @@ def test_the_next_layers_upload_is_queued_before_the_layers_expansion(monkeypatc
         log.append(("upload", slot_index[target.data_ptr()]))
         return copy_up(target, source, after)
 
-    def logged_expand(weight, dense):
+    def logged_expand(weight, dense, scratch):
         slot = [id(s) for s in streamer._slots].index(id(slot_holding(streamer, weight.packed)))
         if log[-1:] != [("expand", slot)]:
             log.append(("expand", slot))
-        expand(weight, dense)
+        expand(weight, dense, scratch)
 
     monkeypatch.setattr(device, "copy", logged_copy)
     monkeypatch.setattr(device_stream, "expand_into", logged_expand)
@@ -352,7 +383,7 @@ def test_cuda_quantized_layers_expand_on_the_gpu_bit_equal_to_the_dequantized_mo
     reference.to("cuda")
     device_map = layer_map(reference, "cpu")
     streamed = stream_on_device(quantized_model(form, 6, head=True), device_map, CudaDevice(0), prefetch=1)
-    assert layer_streamer(streamed).dense_bytes > 0
+    assert layer_streamer(streamed).expansion_bytes > 0
     with torch.no_grad():
         for ids in (prompt(7, 1).cuda(), prompt(7, 40).cuda(), prompt(8, 1).cuda()):
             assert torch.equal(streamed(ids).logits, reference(ids).logits)

@@ -88,7 +88,8 @@ class DeviceLayerStreamer(LayerStreamer):
     ``nn.Linear`` (a 4-bit product is compute-bound over a tree; the dense one is as flat as bfloat16's). Each slot
     serving such layers has one dense buffer, the size of its largest layer's dense weights: the expanded image of
     the slot, with the slot's lifetime, so a layer alone in its slot (an LM head) is expanded once and stays, and the
-    copies of the next layers, whose slot-free events are recorded before the expansion is queued, overlap it.
+    copies of the next layers, whose slot-free events are recorded before the expansion is queued, overlap it. The
+    int4 nibbles pass through one ``uint8`` scratch, the size of the largest weight's half, used in turn.
 
     Use :meth:`install_on_device`, or ``load_offloaded(..., executor="stream")`` with a GPU in ``max_memory``;
     :func:`~.stream.layer_streamer` finds a model's streamer. For benchmarks: ``buffer_bytes`` (the device ring),
@@ -106,6 +107,7 @@ class DeviceLayerStreamer(LayerStreamer):
         device: The device operations.
         expansions: Per layer, its quantized weights as bound over its slot and the views of the slot's ``dense``
             buffer they expand into; ``None``: no layer has any.
+        scratch: The device buffer every expansion passes its nibbles through in turn (``None`` without int4).
     """
 
     def __init__(
@@ -119,11 +121,13 @@ class DeviceLayerStreamer(LayerStreamer):
         pinned: list[torch.Tensor],
         device: StreamDevice,
         expansions: list[list[tuple[PackedWeight, torch.Tensor]]] | None = None,
+        scratch: torch.Tensor | None = None,
     ):
         unit_bytes = [sum(upload.source.numel() for upload in unit) for unit in uploads]
         super().__init__(unit_names, units, slots, slot_of, unit_bytes, prefetch)
         self._uploads = uploads
         self._expansions = expansions or [[] for _ in unit_names]
+        self._scratch = scratch if scratch is not None else torch.empty(0, dtype=torch.uint8, device=device.device)
         self._pinned_bytes = sum(buffer.numel() for buffer in pinned)
         self._device = device
         # Unpinned by close(), or when the streamer is collected: freeing registered memory would leak the pin.
@@ -217,8 +221,10 @@ class DeviceLayerStreamer(LayerStreamer):
                 units.append((model.get_submodule(name), None))
                 uploads.append([Copy(host, slot.buffer[:size])])
             del runs
+        scratch_bytes = max((weight.scratch_bytes for unit in expansions for weight, _ in unit), default=0)
+        scratch = device.allocate(scratch_bytes) if scratch_bytes else None
         model.to(device.device)  # resident units; the streamed ones are bound to device views already
-        streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device, expansions)
+        streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device, expansions, scratch)
         model._specexec_layer_streamer = streamer
         return streamer
 
@@ -232,9 +238,10 @@ class DeviceLayerStreamer(LayerStreamer):
         return sum(self._unit_bytes[position] for position in first if len(shared[self._slot_of[position]]) > 1)
 
     @property
-    def dense_bytes(self) -> int:
-        """Device bytes of the dense buffers the quantized weights expand into (one per slot that serves them)."""
-        return sum(slot.dense.numel() for slot in self._slots if slot.dense is not None)
+    def expansion_bytes(self) -> int:
+        """Device bytes the expansion of quantized weights takes beside the ring: the dense buffers they expand into
+        (one per slot that serves them) and the scratch their nibbles pass through."""
+        return self._scratch.numel() + sum(slot.dense.numel() for slot in self._slots if slot.dense is not None)
 
     @property
     def host_bytes(self) -> int:
@@ -313,7 +320,7 @@ class DeviceLayerStreamer(LayerStreamer):
         if slot.expanded is slot.filled:
             return
         for weight, dense in self._expansions[slot.position]:
-            expand_into(weight, dense)
+            expand_into(weight, dense, self._scratch)
         slot.expanded = slot.filled
 
     def _await_on_host(self, slot: _DeviceSlot) -> None:

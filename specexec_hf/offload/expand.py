@@ -13,10 +13,11 @@ whichever layout quanto chose (its generic packing, or TinyGemm's, which is conv
 
 Why a few torch kernels and not a fused Triton kernel: bit-equality with ``dequantize()`` needs quanto's two
 roundings (the product by the scale, then the shift) and nothing else, which torch's elementwise kernels give on
-every device, the CPU stand-in the executor is tested through included, without a compiler. The four passes move
-about 10 bytes per weight element of device memory (a fused kernel: 2.5): for a Llama-3-70B layer (0.86 G
-elements) about 9 GB, 2 ms on an H200, against about 8 ms to stream its packed bytes over the link, and the upload
-of the next layers runs meanwhile. A fused kernel is worth it only where the expansion, not the link, is the floor.
+every device, the CPU stand-in the executor is tested through included, without a compiler. The five passes move
+about 7.5 bytes of device memory per weight element (a fused kernel: 2.5): for a Llama-3-70B layer (0.86 G
+elements) about 6.5 GB, under 1.5 ms on an H200, against about 8 ms to stream its packed bytes over the link, and
+the upload of the next layers runs meanwhile. A fused kernel is worth it only where the expansion, not the link, is
+the floor.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class PackedWeight:
     @property
     def groups(self) -> int:
         return math.prod(self.shape) // self.group_size
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The ``uint8`` scratch :func:`expand_into` needs: a half's nibbles (none for 8 bits)."""
+        return self.packed.numel() if self.bits == 4 else 0
 
 
 def expandable(weight: torch.Tensor) -> bool:
@@ -122,29 +128,48 @@ def packed_weight(weight: torch.Tensor) -> PackedWeight:
     )
 
 
-def expand_into(weight: PackedWeight, dense: torch.Tensor) -> None:
+def expand_into(weight: PackedWeight, dense: torch.Tensor, scratch: torch.Tensor) -> None:
     """Writes ``weight``'s dense values into ``dense`` (``weight.shape``, ``weight.dtype``, contiguous), bit-equal
-    to quanto's ``dequantize()``, on ``dense``'s device and queue, in place: no allocation beyond the kernels'.
+    to quanto's ``dequantize()``, on ``dense``'s device and queue, in place: no allocation beyond a ``[groups, 1]``
+    temporary for a zero point.
+
+    Args:
+        weight: The packed weight.
+        dense: Where its dense values go.
+        scratch: ``uint8``, at least ``weight.scratch_bytes`` of it, on the same device and queue (used in turn by
+            consecutive expansions): the nibbles pass through it, as torch's CUDA bitwise kernels write only their
+            inputs' integer dtype.
 
     Raises:
-        ValueError: ``dense`` has another shape or dtype, or is not contiguous.
+        ValueError: ``dense`` has another shape or dtype or is not contiguous, or ``scratch`` is too small.
     """
     if tuple(dense.shape) != weight.shape or dense.dtype != weight.dtype or not dense.is_contiguous():
         raise ValueError(
             f"The dense buffer is {list(dense.shape)} {dense.dtype} (contiguous: {dense.is_contiguous()}), but the "
             f"weight expands into a contiguous {list(weight.shape)} {weight.dtype} tensor."
         )
+    if scratch.dtype != torch.uint8 or scratch.numel() < weight.scratch_bytes:
+        raise ValueError(
+            f"The scratch is {scratch.numel()} x {scratch.dtype}; the weight needs {weight.scratch_bytes} x uint8."
+        )
     if weight.bits == 8:
         torch.mul(weight.packed, weight.scale, out=dense)  # quanto: scale * data, one rounding
         return
     grouped = dense.view(weight.groups, weight.group_size)
     low = weight.packed.shape[0]  # groups held in the low nibbles
-    # The nibbles convert exactly into any float dtype as they are written.
-    torch.bitwise_and(weight.packed, NIBBLE, out=grouped[:low])
-    torch.bitwise_right_shift(weight.packed[: weight.groups - low], 4, out=grouped[low:])
-    if weight.shift.dtype.is_floating_point:  # quanto: scale * values, rounded, then minus the shift, rounded
-        grouped.mul_(weight.scale)
+    zero_point = None if weight.shift.dtype.is_floating_point else weight.shift.to(weight.dtype)
+    halves = (
+        (torch.bitwise_and, weight.packed, NIBBLE, slice(0, low)),
+        (torch.bitwise_right_shift, weight.packed[: weight.groups - low], 4, slice(low, weight.groups)),
+    )
+    for extract, packed, operand, rows in halves:
+        nibbles = scratch[: packed.numel()].view(packed.shape)
+        extract(packed, operand, out=nibbles)
+        if zero_point is None:  # quanto: scale * values, rounded (then minus the shift, rounded, below)
+            torch.mul(nibbles, weight.scale[rows], out=grouped[rows])
+        else:  # quanto: values - zero point, exact small integers (then times the scale, rounded once, below)
+            torch.sub(nibbles, zero_point[rows], out=grouped[rows])
+    if zero_point is None:
         grouped.sub_(weight.shift)
-    else:  # quanto: values - zero point (exact small integers), times the scale, rounded once
-        grouped.sub_(weight.shift)
+    else:
         grouped.mul_(weight.scale)
