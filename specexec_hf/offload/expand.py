@@ -5,7 +5,7 @@ of a thousand nodes a streamed int4 Llama-3-70B layer cost 9x its one-token forw
 layer's forward stays flat. The device executor therefore streams a quantized weight's packed bytes as they are (a
 quarter of bfloat16's over the link for int4), expands them into a dense weight in the compute dtype once they
 have landed, and lets the module run a plain dense linear: the forward is the dense forward of the dequantized
-model, flat as bfloat16's is, and plain decoding and tree verification multiply the same numbers.
+model, whose cost over a tree is bfloat16's, and plain decoding and tree verification multiply the same numbers.
 
 :class:`PackedWeight` is one such weight as streamed, :func:`packed_weight` takes it from a frozen quanto weight in
 whichever layout quanto chose (its generic packing, or TinyGemm's, which is converted back once, on the host), and
