@@ -622,7 +622,10 @@ def test_quantized_target_streams_packed_weights_and_specexec_equals_its_own_gre
         target, load_quantized = quantized_pair(folder, weights)
         quantized = load_quantized()
         device_map = layer_map(quantized, "cpu")
-        streamed = stream_on_device(load_quantized(), device_map, OrderCheckingDevice(), prefetch=prefetch)
+        # quanto's own packed kernels (the expanded default: tests/test_int4_expand.py)
+        streamed = stream_on_device(
+            load_quantized(), device_map, OrderCheckingDevice(), prefetch=prefetch, expand_quantized=False
+        )
     streamer = layer_streamer(streamed)
     layer = streamed.model.layers[1].mlp.down_proj.weight
     assert type(layer) is type(quantized.model.layers[1].mlp.down_proj.weight)
@@ -691,7 +694,9 @@ def test_cuda_quantized_streamed_logits_equal_the_quantized_model_on_the_gpu(wei
     with tempfile.TemporaryDirectory() as folder:
         target, load_quantized = quantized_pair(folder, weights)
         reference = load_quantized().to("cuda")
-        streamed = stream_on_device(load_quantized(), layer_map(reference, "cpu"), CudaDevice(0), prefetch=1)
+        streamed = stream_on_device(
+            load_quantized(), layer_map(reference, "cpu"), CudaDevice(0), prefetch=1, expand_quantized=False
+        )
     ids = prompt(7, 40).cuda()
     with torch.no_grad():
         for _ in range(3):

@@ -173,6 +173,20 @@ class RingSlot:
     filled: Future = field(default_factory=Future)
 
 
+def cycling_units(count: int, unit_bytes: list[int] | None = None) -> list[int]:
+    """The positions of the units that go round the ring's shared buffers: all but those more than
+    :data:`OVERSIZED` times the median unit, which get a buffer of their own (:func:`ring_slots`).
+
+    Args:
+        count: Streamed units.
+        unit_bytes: The bytes each unit needs, in execution order; ``None``: all alike.
+    """
+    if not unit_bytes:
+        return list(range(count))
+    median = sorted(unit_bytes)[len(unit_bytes) // 2]  # never oversized itself, so some units always cycle
+    return [position for position, size in enumerate(unit_bytes) if size <= OVERSIZED * median]
+
+
 def ring_slots(count: int, prefetch: int, unit_bytes: list[int] | None = None) -> list[int]:
     """The ring buffer each of ``count`` streamed units computes out of, reading ``prefetch`` units ahead.
 
@@ -189,11 +203,8 @@ def ring_slots(count: int, prefetch: int, unit_bytes: list[int] | None = None) -
         prefetch: Units read ahead of the one computing.
         unit_bytes: The bytes each unit needs, in execution order; ``None``: all alike.
     """
-    oversized: set[int] = set()
-    if unit_bytes:
-        median = sorted(unit_bytes)[len(unit_bytes) // 2]  # never oversized itself, so some units always cycle
-        oversized = {position for position, size in enumerate(unit_bytes) if size > OVERSIZED * median}
-    cycling = [position for position in range(count) if position not in oversized]
+    cycling = cycling_units(count, unit_bytes)
+    oversized = set(range(count)) - set(cycling)
     ring = min(prefetch + 1, len(cycling))
     cycled = len(cycling) - len(cycling) % ring
     slot_of = [0] * count
@@ -252,7 +263,8 @@ def prefetch_within(unit_bytes: list[int], budget_bytes: int, alignment: int = 1
 
 def auto_prefetch(unit_bytes: list[int], headroom_bytes: int, share: float, alignment: int = 1) -> int:
     """``prefetch="auto"``: the deepest read-ahead whose ring takes, beyond the smallest ring (prefetch 1, which
-    the executor allocates whatever the memory), at most ``share`` of the headroom that smallest ring leaves.
+    the executor allocates whatever the memory), at most ``share`` of the headroom that smallest ring leaves, and no
+    deeper than :func:`deepest_streaming_prefetch`.
 
     The smallest ring is not charged against the share: it is allocated anyway, and where it alone exceeds the
     share (an LM head with a buffer of its own under a tight memory cap: the default target's is 142 MB against
@@ -266,7 +278,25 @@ def auto_prefetch(unit_bytes: list[int], headroom_bytes: int, share: float, alig
         alignment: What each buffer's size is rounded up to.
     """
     smallest = ring_bytes(unit_bytes, 1, alignment)
-    return prefetch_within(unit_bytes, smallest + int(share * max(0, headroom_bytes - smallest)), alignment)
+    within = prefetch_within(unit_bytes, smallest + int(share * max(0, headroom_bytes - smallest)), alignment)
+    return min(within, deepest_streaming_prefetch(unit_bytes))
+
+
+def deepest_streaming_prefetch(unit_bytes: list[int]) -> int:
+    """The deepest read-ahead ``"auto"`` takes: half the cycling units (:func:`cycling_units`) ahead of the one
+    computing, less one, so that every cycling unit shares its buffer with another and is read every forward.
+
+    An offloaded model stays offloaded: a ring holding every layer at once is the in-memory model, which the
+    placement (``max_memory``) said no to, so more memory than half the streamed layers is never taken unasked. It is
+    also about the depth past which read-ahead stops paying: side by side on the default target streamed from disk
+    (30 layers), SpecExec ran 2.50x plain decoding reading 4 layers ahead, 2.87x at 9 and 3.17x at 14, this bound
+    (``benchmarks/results/ssd/ring_depth_huge_pages/``), the disk reading half the next forward while the draft grows
+    its tree.
+
+    Args:
+        unit_bytes: The bytes each streamed unit needs, in execution order.
+    """
+    return max(1, len(cycling_units(len(unit_bytes), unit_bytes)) // 2 - 1)
 
 
 def plan_runs(

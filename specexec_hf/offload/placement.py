@@ -42,8 +42,9 @@ from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
 from .direct_io import WeightFileError
 from .folder import leave_on_meta, stored_tensors, write_offload_folder
+from .layout import auto_prefetch
 from .quantize import check_quantize, packed_dtypes, quantize_layers
-from .stream import LayerStreamer, layer_streamer
+from .stream import AUTO_RING_SHARE, LayerStreamer, layer_streamer
 
 EXECUTORS = ("accelerate", "stream")
 DISK = "disk"
@@ -55,7 +56,7 @@ def load_offloaded(
     offload_folder: str | os.PathLike | None = None,
     executor: str | None = None,
     dtype: torch.dtype | None = None,
-    prefetch: int | str = 1,
+    prefetch: int | str = "auto",
     quantize: str | None = None,
 ) -> PreTrainedModel:
     """Loads a causal LM under a memory budget, modules that do not fit going to disk.
@@ -72,11 +73,13 @@ def load_offloaded(
             budget resident and streams the others through a ring on the GPU. ``"accelerate"``: accelerate's
             hooks. ``None`` (default): ``"stream"``, unless ``max_memory`` spreads modules over several GPUs.
         dtype: Parameter dtype; ``None`` keeps the checkpoint's (or the model's) dtype.
-        prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing; on the CPU also
-            ``"auto"``: the deepest read-ahead whose ring, beyond the smallest (prefetch 1), takes at most half the
-            memory the process can still take beside that (cgroup limits included), which keeps the disk busier and
-            reads more of the next forward during the draft's tree growth (with room for every module, each is read
-            once and stays loaded).
+        prefetch: For ``"stream"``, how many offloaded modules are read ahead of the one computing, or ``"auto"``
+            (the default): the deepest read-ahead whose ring, beyond the smallest (prefetch 1), takes at most half
+            the memory left beside that: on the CPU the memory the process can still take (cgroup limits included),
+            on a GPU the device's free memory less the units kept resident on it. Read-ahead costs memory, never
+            time: the reader fills a buffer only once its last unit has computed, and a deeper ring lets the disk
+            (or the link) read more of the next forward while the draft grows its tree. Never deeper than half the
+            streamed layers (:func:`~.layout.deepest_streaming_prefetch`): an offloaded model stays offloaded.
         quantize: ``"int4"`` or ``"int8"``: a checkpoint's decoder layers quantized with optimum-quanto as they load,
             one at a time (:mod:`.quantize`): the disk-placed ones are written packed to ``offload_folder`` and
             streamed from there, so a checkpoint bigger than RAM never is in memory whole. The CPU stream executor
@@ -130,12 +133,10 @@ def load_offloaded(
             )
         from .device import CudaDevice
 
-        if prefetch == "auto":
-            raise ValueError(
-                "prefetch='auto' sizes the CPU ring by the memory left; the GPU ring's depth is an integer: pass "
-                "prefetch=1 (or more, if GPU memory allows prefetch + 1 of the largest streamed module)."
-            )
         device = CudaDevice(execution_devices.pop())
+        if prefetch == "auto":
+            free_bytes, _ = torch.cuda.mem_get_info(device.device)
+            prefetch = device_auto_prefetch(skeleton, device_map, free_bytes, device.alignment)
         return stream_on_device(path_or_model, device_map, device, offload_folder, dtype, prefetch)
     disk_units = [name for name, where in device_map.items() if where == DISK]
     # Where the stream executor finds the disk-placed weights: the folder this call writes, or (None) accelerate's
@@ -415,12 +416,33 @@ def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> l
     return [name for name in names if not any(name == unit or name.startswith(unit + ".") for unit in device_map)]
 
 
+def device_auto_prefetch(
+    skeleton: nn.Module, device_map: Mapping[str, int | str], free_bytes: int, alignment: int = 1
+) -> int:
+    """``prefetch="auto"`` for a GPU ring: :func:`~.layout.auto_prefetch` over the streamed units' bytes, the headroom
+    being the device's ``free_bytes`` less the units ``device_map`` keeps resident on it.
+
+    Args:
+        skeleton: The model (on the meta device or not) in the dtype it runs in.
+        device_map: The placement per weight unit: ``"cpu"`` and ``"disk"`` units are streamed.
+        free_bytes: The device's free memory before anything of the model is on it.
+        alignment: What each ring buffer's size is rounded up to.
+    """
+    unit_bytes = {
+        name: sum(weight.numel() * weight.element_size() for weight in skeleton.get_submodule(name).parameters())
+        for name in device_map
+    }
+    streamed = [unit_bytes[name] for name, where in device_map.items() if _is_cpu_or_disk(where)]
+    resident = sum(size for name, size in unit_bytes.items() if not _is_cpu_or_disk(device_map[name]))
+    return auto_prefetch(streamed, max(0, free_bytes - resident), AUTO_RING_SHARE, alignment)
+
+
 def _check_prefetch(prefetch: int | str) -> None:
     if prefetch != "auto" and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1):
         raise ValueError(f"prefetch must be a positive integer or 'auto', got {prefetch!r}.")
 
 
-def stream(model: PreTrainedModel, prefetch: int | str = 1) -> PreTrainedModel:
+def stream(model: PreTrainedModel, prefetch: int | str = "auto") -> PreTrainedModel:
     """Runs a model that accelerate offloaded to disk on the streaming executor instead of accelerate's hooks.
 
     For a model loaded with ``from_pretrained(..., device_map=..., offload_folder=...)`` (or dispatched with
