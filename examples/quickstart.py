@@ -108,10 +108,11 @@ offload_parent.mkdir(parents=True, exist_ok=True)
 with tempfile.TemporaryDirectory(prefix="quickstart-offload-", dir=offload_parent) as folder:
     started = time.perf_counter()
     # A copy goes to disk: the draft shares the in-memory target's embedding, and the target in memory runs last.
-    # prefetch=14: the ring holds half of the 30 layers, which a fast SSD reads in about the time the draft grows a
-    # tree, so the disk reads the next forward's layers on while the draft works (every forward still reads all 30).
+    # The read-ahead depth is chosen from the memory left ("auto", the default): here at most half of the 30 layers,
+    # which a fast SSD reads in about the time the draft grows a tree, so the disk reads the next forward's layers on
+    # while the draft works (every forward still reads all 30).
     on_disk = specexec_hf.load_offloaded(
-        copy.deepcopy(target), max_memory={"cpu": 0}, offload_folder=folder, executor="stream", prefetch=14
+        copy.deepcopy(target), max_memory={"cpu": 0}, offload_folder=folder, executor="stream"
     )
     streamer = specexec_hf.layer_streamer(on_disk)
     print(
