@@ -78,7 +78,7 @@ def test_the_drafter_refuses_what_a_static_policy_cannot_do():
         SpecExecCandidateGenerator(draft, config, search=lambda root_token, expand, config: None)
 
 
-@pytest.mark.parametrize("name", ["specexec", "specinfer", "sequoia"])
+@pytest.mark.parametrize("name", ["specexec", "specinfer", "sequoia", "rounds"])
 def test_policies_by_name_keep_greedy_output(name):
     target = tiny_model("llama", seed=7)
     draft = perturbed_copy(target, 0.05, seed=8)
@@ -94,7 +94,7 @@ def test_policies_by_name_keep_greedy_output(name):
 
 
 def test_registered_names_build_their_policies():
-    assert {"specexec", "specinfer", "sequoia"} <= set(TREE_POLICIES)
+    assert {"specexec", "specinfer", "sequoia", "rounds"} <= set(TREE_POLICIES)
     assert tree_policy("specexec") is search.grow_tree
     assert tree_policy("specinfer", beams=2).beams == 2
     assert tree_policy("sequoia").acceptance == list(PRIOR_ACCEPTANCE)
