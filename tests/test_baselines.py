@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_model
+from conftest import perturbed_copy, tiny_model, tiny_tokenizer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -103,9 +103,10 @@ def test_registered_names_build_their_policies():
 
 
 def test_an_unknown_policy_name_is_refused_first_with_the_registered_names():
-    target = tiny_model("llama", seed=0)
-    draft = tiny_model("llama", seed=0, vocab_size=32)  # refused too, but the policy's name is checked first
-    kwargs = dict(max_new_tokens=2, do_sample=False, assistant_model=draft, speculator="specexec")
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    # A draft of another tokenizer is refused too, but the policy's name is checked first.
+    kwargs = dict(max_new_tokens=2, do_sample=False, assistant_model=draft, speculator="specexec",
+                  tokenizer=tiny_tokenizer(), assistant_tokenizer=tiny_tokenizer(63))
     with pytest.raises(ValueError, match=r"Unknown tree policy 'sequia'.*'sequoia', 'specexec', 'specinfer'"):
         target.generate(prompt(0, 3), tree_search="sequia", **kwargs)
     with pytest.raises(ValueError) as refusal:
