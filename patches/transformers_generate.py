@@ -64,6 +64,7 @@ def apply() -> None:
         return
     check_version()
     from specexec_hf.hf.generation import generate as specexec_generate
+    from specexec_hf.hf.ownership import exclusive_call
     from specexec_hf.hf.settings import SPECULATOR_FIELD
 
     original = GenerationMixin.generate
@@ -80,6 +81,7 @@ def apply() -> None:
         return getattr(config, SPECULATOR_FIELD, None)
 
     @functools.wraps(original)
+    @exclusive_call  # plain generate() too: a streamed target's ring serves one call at a time
     def generate(self, *args, **kwargs):
         keyword = SPECULATOR_FIELD in kwargs
         speculator = kwargs.pop(SPECULATOR_FIELD) if keyword else configured_speculator(self, args, kwargs)

@@ -17,7 +17,9 @@
   maps, ``budget="auto"``'s estimates), carried by the draft or passed as ``learnt_state=``; :mod:`.cache_dir`: the
   on-disk cache;
 - :mod:`.self_draft`: the target itself as a draft: quantized (``"self:int4"`` / ``"self:int8"``) or some of its
-  layers (``"self:exit:K"``, ``"self:skip:..."``, with an optional tuned exit).
+  layers (``"self:exit:K"``, ``"self:skip:..."``, with an optional tuned exit);
+- :mod:`.ownership`: a model used by one call at a time where its executor requires it (a streamed target's ring),
+  held by ``generate()`` for the whole call.
 """
 
 from .candidate_generator import SpecExecCandidateGenerator, TreeBatch, grow_trees

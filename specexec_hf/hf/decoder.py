@@ -10,6 +10,7 @@ the stopping criteria and recording outputs is the caller's (:mod:`.generation`,
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 import time
@@ -295,7 +296,11 @@ class SpecExecDecoder:
             finally:
                 finished.set()
 
-        worker = threading.Thread(target=verify, name="specexec-verify", daemon=True)
+        # In a copy of the caller's context: the worker verifies for this call, under its hold of the target
+        # (a streamed target's ring, see .ownership), which other threads wait for.
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(verify,), name="specexec-verify", daemon=True
+        )
         switch_interval = sys.getswitchinterval()
         # The draft's Python between its ops holds the interpreter lock; the target's per-layer hooks and readers
         # need it briefly and often: switch threads more often than every 5 ms while both run.

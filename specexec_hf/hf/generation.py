@@ -31,10 +31,12 @@ from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import ReadAheadWatch, hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
+from .ownership import exclusive_call
 from .request import Request, check_budget_fits, validate_request
 from .self_draft import resolve_draft
 from .settings import specexec_settings, warn_unused_assisted_settings
 
+@exclusive_call  # a streamed target's ring serves one call at a time
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,

@@ -225,7 +225,7 @@ class DeviceLayerStreamer(LayerStreamer):
         scratch = device.allocate(scratch_bytes) if scratch_bytes else None
         model.to(device.device)  # resident units; the streamed ones are bound to device views already
         streamer = cls(streamed, units, slots, slot_of, uploads, prefetch, pinned, device, expansions, scratch)
-        model._specexec_layer_streamer = streamer
+        streamer._attach(model)
         return streamer
 
     @property
@@ -262,9 +262,8 @@ class DeviceLayerStreamer(LayerStreamer):
         try:
             return self._issue_fill(position, slot)
         except Exception as error:
-            # Refused when issued (a CUDA enqueue error, say): the slot is already marked as holding ``position``,
-            # so the failure must travel in ``filled`` for the forward that needs the layer to raise it and reset
-            # the slot; raised here, the next forward would compute with the bytes of the slot's previous layer.
+            # Refused when issued (a CUDA enqueue error, say): the failure travels in ``filled``, so that the forward
+            # that needs the layer raises it and resets the slot, not the forward that merely queued it ahead.
             failed: Future = Future()
             failed.set_exception(error)
             return failed

@@ -13,7 +13,8 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
+from contextlib import AbstractContextManager
+from functools import partial, wraps
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 
 from ..core.precision import native_bfloat16_cpu
 from ..hf.forward import mark_weights_stay_loaded
+from ..hf.ownership import CallLock
 from .direct_io import (
     BLOCK,
     DirectReader,
@@ -87,6 +89,11 @@ class LayerStreamer:
     straight from the memory-mapped file, which reads just those rows' pages (bit-identical: it is a gather); each
     lookup first checks the file's size, as a mapping past a truncated file's end would crash the process.
 
+    The ring has one owner at a time (:meth:`exclusive_use`, a :class:`~specexec_hf.hf.ownership.CallLock`):
+    ``generate()`` holds it for the whole call and each forward entered through a module holding streamed units
+    (the model, its base model) holds it too, so calls from several threads run one after another, each exact,
+    and a bare forward waits for a running call instead of computing with weights that call's reads overwrite.
+
     Args:
         unit_names: The streamed units' module names, in execution order.
         units: ``(module, read plan)`` per streamed unit (the plan of the reads that fill its ring buffer).
@@ -116,6 +123,7 @@ class LayerStreamer:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specexec-layer-streamer")
         self._direct_reader = reader or DirectReader()
         self._closed = False
+        self._ownership = CallLock()
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
         self.forwards_begun = 0  # forwards that reached their first unit
         # Seconds between the landing of the last unit read ahead for a forward and that forward's start, summed
@@ -192,8 +200,36 @@ class LayerStreamer:
             bind_views(runs, buffer)
             units.append((model.get_submodule(name), plan_reads(unit_spans(runs, buffer))))
         streamer = cls(streamed, units, slots, slot_of, unit_bytes, prefetch)
-        model._specexec_layer_streamer = streamer
+        streamer._attach(model)
         return streamer
+
+    def _attach(self, model: PreTrainedModel) -> None:
+        """Installs the streamer on ``model``: found by :func:`layer_streamer`, and owning the ring for each forward
+        entered through a module that holds streamed units (their ancestors: the model, its base model, ...)."""
+        model._specexec_layer_streamer = self
+        for name in dict.fromkeys(ancestor for unit in self.unit_names for ancestor in _ancestors(unit)):
+            module = model.get_submodule(name)
+            # As an instance attribute, as accelerate's hooks do; a try/finally, unlike a pair of hooks, releases
+            # the ring whatever the forward raises, KeyboardInterrupt included.
+            module.forward = self._owning(module.forward)
+
+    def _owning(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` holding the ring's ownership (the signature transformers inspects is kept)."""
+
+        @wraps(forward)
+        def owning_forward(*args, **kwargs) -> Any:
+            with self._ownership.held():
+                return forward(*args, **kwargs)
+
+        return owning_forward
+
+    def exclusive_use(self) -> AbstractContextManager[None]:
+        """The ring's ownership, held by ``generate()`` for a whole call: waits while another call owns it.
+
+        Satisfies :class:`~specexec_hf.hf.ownership.ExclusiveExecutor`; reentrant within the call (its forwards, the
+        threads it starts in a copy of its context).
+        """
+        return self._ownership.held()
 
     @property
     def prefetch(self) -> int:
@@ -260,14 +296,22 @@ class LayerStreamer:
                 queued += not self._stays_loaded[upcoming]
 
     def _request(self, position: int) -> RingSlot:
-        """The slot of unit ``position``, queueing the read of its weights unless it holds or awaits them."""
+        """The slot of unit ``position``, queueing the read of its weights unless it holds or awaits them.
+
+        The slot names the unit only once its fill exists, so that it never names a unit with no fill to await; a
+        fill that fails to start leaves it naming none (read again when next needed).
+        """
         slot = self._slots[self._slot_of[position]]
         if slot.position != position:
             if self._closed:
                 raise RuntimeError("The layer streamer was closed (shutdown): it cannot read weights any more.")
-            slot.position = position
-            slot.filled = self._fill(position, slot)
-            slot.filled.add_done_callback(partial(self._landed, position))
+            try:
+                filled = self._fill(position, slot)
+            except BaseException:
+                slot.position = None  # part of the fill may have started: what the buffer holds is unknown
+                raise
+            filled.add_done_callback(partial(self._landed, position))
+            slot.position, slot.filled = position, filled
             self.reads_requested += 1
         return slot
 
@@ -290,7 +334,12 @@ class LayerStreamer:
             self.read_ahead_idle_seconds += now - max(landed)
 
     def _fill(self, position: int, slot: RingSlot) -> Future:
-        """Starts filling ``slot`` with unit ``position``'s weights."""
+        """Starts filling ``slot`` with unit ``position``'s weights, once the slot's previous fill has landed.
+
+        That fill is in flight only where the forward that queued it ahead raised (or skipped the unit): the reader
+        runs requests in parallel, and its bytes, landing last, would overwrite these.
+        """
+        self._await_on_host(slot)
         return self._direct_reader.submit(self._units[position][1])
 
     def _await(self, slot: RingSlot) -> None:
@@ -301,6 +350,12 @@ class LayerStreamer:
         """Blocks the calling thread until ``slot``'s fill has landed."""
         if slot.position is not None:
             slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
+
+
+def _ancestors(name: str) -> list[str]:
+    """The names of the modules above module ``name``, the root (``""``) first: ``"a.b.c"``: ``["", "a", "a.b"]``."""
+    parts = name.split(".")
+    return [".".join(parts[:length]) for length in range(len(parts))]
 
 
 def _mostly_plain_bfloat16(parameters: list[OffloadedParameter]) -> bool:
