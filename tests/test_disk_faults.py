@@ -20,7 +20,7 @@ import torch
 from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from specexec_hf.offload import folder as folder_module
 from specexec_hf.offload import load_offloaded, placement
@@ -287,3 +287,26 @@ def test_a_tensor_in_a_dtype_direct_reads_do_not_convert_is_named(tmp_path):
     assert file.safetensors_entry("a")[1:] == (torch.float32, (2,))
     with pytest.raises(WeightFileError, match=r"stores 'fp8' as F8_E4M3, which direct reads do not convert"):
         file.safetensors_entry("fp8")
+
+
+def test_a_tensor_missing_from_the_checkpoint_is_named(tmp_path):
+    tiny_model("llama", num_layers=2).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightFileError, match=r"'model.layers.1.mlp.down_proj.weight' .* incomplete or not this model"):
+        load_offloaded(tmp_path, max_memory={"cpu": 0})
+
+
+@pytest.mark.parametrize("damage", ["removed", "not json"])
+def test_an_offload_index_lost_before_the_streamer_reads_it_is_named(tmp_path, damage):
+    from specexec_hf.offload.stream import folder_locator
+
+    tiny_model("llama", num_layers=2).save_pretrained(tmp_path)
+    index = tmp_path / "index.json"
+    if damage == "removed":
+        index.unlink(missing_ok=True)
+    else:
+        index.write_text("{not json")
+    with pytest.raises(WeightFileError, match=r"index.json cannot be read .* Load the model again"):
+        folder_locator(tmp_path)

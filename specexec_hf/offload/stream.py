@@ -78,8 +78,9 @@ class LayerStreamer:
     while unit ``i`` computes: ``O_DIRECT`` reads from
     the weight files straight into the ring buffer, several in flight, bypassing the page cache (through it where
     the filesystem refuses direct reads). A unit called out of order is read on the spot, so the order affects
-    speed only, never results. Each read checks that the files kept the size and modification time they had at
-    install, so a weight file truncated or rewritten under a running model raises
+    speed only, never results. Each read checks that the files kept the identity (device, inode, size,
+    modification and status-change times) they had at install and that their names still lead to them, so a weight
+    file truncated, rewritten, replaced or deleted under a running model raises
     :class:`~.direct_io.WeightFileError` in the forward that needs it rather than feeding it other bytes.
 
     Use :meth:`install`; :func:`layer_streamer` finds a model's streamer. :class:`~.device_stream.DeviceLayerStreamer`
@@ -404,8 +405,15 @@ def _offloaded_weight_locator(model: nn.Module) -> Locator:
 def folder_locator(folder: str | os.PathLike) -> Locator:
     """``locate`` (as :func:`_offloaded_weight_locator`'s) over the ``index.json`` of an offload folder written by
     :func:`~.folder.write_offload_folder`, for a model placed without accelerate's hooks."""
-    with open(os.path.join(folder, "index.json")) as handle:
-        return partial(_locate_in, json.load(handle), os.fspath(folder))
+    path = os.path.join(folder, "index.json")
+    try:
+        with open(path) as handle:
+            return partial(_locate_in, json.load(handle), os.fspath(folder))
+    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON (json's errors are ValueErrors)
+        raise WeightFileError(
+            f"The offload folder's index {path} cannot be read ({error}): it was removed or damaged after the "
+            "folder was written. Load the model again into the folder."
+        ) from error
 
 
 def _locate_in(index: dict[str, dict], folder: str, name: str) -> tuple[str, str | None, dict[str, Any]]:
@@ -433,7 +441,13 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFil
         if path not in files:
             files[path] = WeightFile(path)
         if safetensors_name is not None:
-            return StoredWeight(files[path], *files[path].safetensors_entry(safetensors_name))
+            try:
+                return StoredWeight(files[path], *files[path].safetensors_entry(safetensors_name))
+            except KeyError as missing:
+                raise WeightFileError(
+                    f"{missing.args[0]} It is where the offload index places parameter {name!r}: the checkpoint is "
+                    "incomplete or not this model's. Download or save it again."
+                ) from None
         # accelerate's .dat files are raw arrays (bfloat16 stored as int16 bytes, 0-d tensors as 1-d).
         stored = StoredWeight(files[path], 0, getattr(torch, info["dtype"]), tuple(info["shape"]) or (1,))
         if stored.nbytes > files[path].size:
@@ -442,7 +456,10 @@ def _stored_weight(names: list[str], locate: Locator, files: dict[str, WeightFil
                 f"{stored.nbytes} for {name!r}. Offload the model again."
             )
         return stored
-    raise KeyError(f"No offloaded copy of parameter {names[0]!r} was found in accelerate's offload index.")
+    raise WeightFileError(
+        f"No offloaded copy of parameter {names[0]!r} is in the offload index: the checkpoint or offload folder is "
+        "incomplete or not this model's. Load it again from a complete checkpoint."
+    )
 
 
 def unit_parameters(
