@@ -337,7 +337,7 @@ def stream_offloaded_layers(layer_file: vllm_offload.LayerFile, prefetch: int) -
         layer_file: The written layers (:class:`~specexec_hf.patches.vllm_offload.LayerFile`), flushed.
         prefetch: Layers read ahead of the one computing.
     """
-    file = WeightFile(layer_file.path)
+    file = WeightFile(layer_file.path, by_name=False)  # unlinked once open (LayerFile.release): only its descriptor
     sizes = [round_up(stored.nbytes) for stored in layer_file.layers]
     slot_of = ring_slots(len(sizes), prefetch)
     slots = [RingSlot(aligned_empty(max(sizes[p] for p in members))) for members in slot_members(slot_of)]

@@ -310,3 +310,18 @@ def test_an_offload_index_lost_before_the_streamer_reads_it_is_named(tmp_path, d
         index.write_text("{not json")
     with pytest.raises(WeightFileError, match=r"index.json cannot be read .* Load the model again"):
         folder_locator(tmp_path)
+
+
+def test_a_private_file_unlinked_once_open_is_checked_by_its_descriptor(tmp_path):
+    path = tmp_path / "layers.bin"
+    path.write_bytes(bytes(8192))
+    writer = os.open(path, os.O_WRONLY)
+    try:
+        file = WeightFile(path, by_name=False)
+        os.unlink(path)
+        file.check_unchanged()  # no name to check, and the unlink's status change is its owner's
+        os.ftruncate(writer, 4096)
+        with pytest.raises(WeightFileError, match="its size went from 8192 to 4096 bytes"):
+            file.check_unchanged()
+    finally:
+        os.close(writer)

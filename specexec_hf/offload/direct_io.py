@@ -154,11 +154,15 @@ class WeightFile:
     Args:
         path: The file.
         direct: Try ``O_DIRECT``; ``False`` reads through the page cache without a warning.
+        by_name: Check that ``path`` still leads to the open file; ``False`` checks the open file alone, its size
+            and modification time, for a private file its owner unlinks once it is open (the vLLM integration's
+            layer file): it then has no name to check, and the unlink itself moves its status-change time.
     """
 
-    def __init__(self, path: str | os.PathLike, direct: bool = True):
+    def __init__(self, path: str | os.PathLike, direct: bool = True, by_name: bool = True):
         self.path = os.fspath(path)
         self._absolute_path = os.path.abspath(self.path)  # what the name is checked by, whatever the working folder
+        self._by_name = by_name
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._fallback_lock = threading.Lock()
         try:
@@ -194,7 +198,7 @@ class WeightFile:
         """Raises :class:`WeightFileError` if the file changed since it was opened (its :class:`FileIdentity`), or
         its name no longer leads to it (deleted, moved, replaced by another file)."""
         try:
-            named = os.stat(self._absolute_path)
+            named = os.stat(self._absolute_path) if self._by_name else os.fstat(self.descriptor)
         except FileNotFoundError:
             raise WeightFileError(
                 f"The weight file {self.path} was deleted or moved after the model was loaded. Put it back, or load "
@@ -208,6 +212,8 @@ class WeightFile:
         if not self._planned.is_file_of(named):
             raise self._replaced()
         now = FileIdentity.of(named)  # the name leads to the open file: its status is the descriptor's
+        if not self._by_name:  # unlinking it moved its status-change time; no one else can reach it to set mtime
+            now = now._replace(ctime_ns=self._planned.ctime_ns)
         if now != self._planned:
             raise WeightFileError(
                 f"The weight file {self.path} changed after the model was loaded ({self._planned.change_to(now)}): "
