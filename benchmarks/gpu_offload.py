@@ -381,10 +381,13 @@ def stream_device(device: torch.device) -> StreamDevice:
     return CudaDevice(device.index or 0) if device.type == "cuda" else OrderCheckingDevice()
 
 
-def streamed_layers(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def streamed_layers(model: torch.nn.Module, device: torch.device, expand_quantized: bool = True) -> torch.nn.Module:
     """``model`` on ``device`` with the stream executor: the embedding and final norm resident, the decoder layers
-    and head in CPU RAM, streamed (``OrderCheckingDevice`` stands in for a GPU on a CPU)."""
-    return stream_on_device(model, layers_placed(model, "cpu"), stream_device(device))
+    and head in CPU RAM, streamed (``OrderCheckingDevice`` stands in for a GPU on a CPU), one layer read ahead.
+    ``expand_quantized``: quantized layers computed with their weights expanded to dense in the ring slot (the
+    default), or with quanto's packed kernels."""
+    placement = layers_placed(model, "cpu")
+    return stream_on_device(model, placement, stream_device(device), expand_quantized=expand_quantized)
 
 
 def gpu_budget_bytes(model: torch.nn.Module) -> int:
@@ -486,14 +489,15 @@ def placed_target(
     """The random target ``built`` (its weights shared, not copied) run by ``executor``; free it with
     :func:`release`.
 
-    Executors: ``stream`` (the decoder layers and head in CPU RAM, streamed by the device streamer: through
-    ``load_offloaded`` on a GPU, through ``OrderCheckingDevice`` on a CPU), ``accelerate`` (``load_offloaded``; on a
-    GPU with the layers in CPU RAM, on a CPU with the layers on disk), ``diffusers`` (group offloading) and
-    ``resident`` (the whole model on ``device``: the compute floor). ``weights`` (``"int8"``/``"int4"``): quantized
-    decoder layers, for ``stream`` and ``resident`` only.
+    Executors: ``stream`` (the decoder layers and head in CPU RAM, streamed by the device streamer, one layer read
+    ahead: through ``load_offloaded`` on a GPU, through ``OrderCheckingDevice`` on a CPU; quantized layers expanded to
+    dense in the ring slot), ``stream-packed`` (the same, quantized layers computed by quanto's packed kernels),
+    ``accelerate`` (``load_offloaded``; on a GPU with the layers in CPU RAM, on a CPU with the layers on disk),
+    ``diffusers`` (group offloading) and ``resident`` (the whole model on ``device``: the compute floor). ``weights``
+    (``"int8"``/``"int4"``): quantized decoder layers, for ``stream``, ``stream-packed`` and ``resident`` only.
     """
-    if weights is not None and executor not in ("stream", "resident"):
-        raise NotImplementedError(f"{weights} weights are measured with the stream executor and resident only")
+    if weights is not None and executor not in ("stream", "stream-packed", "resident"):
+        raise NotImplementedError(f"{weights} weights are measured with the stream executors and resident only")
     model = sharing_weights(built)
     if weights is not None:
         quantize_layers(model, weights)
@@ -502,11 +506,15 @@ def placed_target(
         return model.to(device)
     if executor == "diffusers":
         return diffusers_group_offloading(model, device)
+    if executor == "stream-packed":
+        return streamed_layers(model, device, expand_quantized=False)
     if executor == "stream" and (weights is not None or device.type != "cuda"):
         return streamed_layers(model, device)
     if device.type == "cuda":
         budget = {0: gpu_budget_bytes(model), "cpu": 1 << 40}
-        return load_offloaded(model, max_memory=budget, executor=executor, dtype=dtype)
+        # One layer read ahead, as in the earlier runs: the default ("auto") would read up to half the layers
+        # during the gaps between timed forwards.
+        return load_offloaded(model, max_memory=budget, executor=executor, dtype=dtype, prefetch=1)
     return load_offloaded(model, max_memory={"cpu": 0}, offload_folder=offload_dir / executor, executor=executor,
                           dtype=dtype)
 
@@ -1978,9 +1986,9 @@ def main(argv: list[str] | None = None) -> int:
     report["runs"].append(report["environment"])
     errors_before = len(report["errors"])
     if args.weights is not None:
-        executors = [e for e in args.executors if e in ("stream", "resident")]
+        executors = [e for e in args.executors if e in ("stream", "stream-packed", "resident")]
         if executors != args.executors:
-            report["notes"].append(f"{args.weights} weights: only the stream executor and resident run.")
+            report["notes"].append(f"{args.weights} weights: only the stream executors and resident run.")
         args.executors = executors
     executors = [e for e in args.executors if e != "diffusers" or device.type == "cuda"]
     if "diffusers" in args.executors and device.type != "cuda":

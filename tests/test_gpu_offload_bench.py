@@ -536,3 +536,19 @@ def test_cuda_the_time_split_is_the_device_s_time_in_each_model_s_forwards():
         with torch.no_grad():
             target(input_ids=inputs["input_ids"].cuda())
     assert meter.calls == len(meter.spans) == 1 and meter.device_seconds() > 0
+
+
+@pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
+def test_int4_layers_stream_expanded_by_default_and_packed_on_request(tmp_path):
+    built = gpu_offload.LlamaForCausalLM(gpu_offload.SHAPES["tiny"].config()).to(torch.bfloat16).eval()
+    device = torch.device("cpu")
+    expanded = gpu_offload.placed_target("stream", built, device, tmp_path, "int4")
+    packed = gpu_offload.placed_target("stream-packed", built, device, tmp_path, "int4")
+    try:
+        assert type(expanded.model.layers[0].mlp.down_proj.weight) is torch.nn.Parameter
+        assert type(packed.model.layers[0].mlp.down_proj.weight).__name__.startswith("WeightQBits")
+        with pytest.raises(NotImplementedError, match="stream executors and resident"):
+            gpu_offload.placed_target("accelerate", built, device, tmp_path, "int4")
+    finally:
+        gpu_offload.release(expanded)
+        gpu_offload.release(packed)
