@@ -249,3 +249,21 @@ def test_kept_set_equals_the_ranking_of_the_whole_pool_ties_included(config, see
         search.add_expansion(nodes, logprobs)
         assert search.kept.tolist() == rank_nodes(search.pool.logprobs)[: config.budget + 1].tolist()
         assert not bool(torch.isinf(search.pool.logprobs).any())
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(0, 12), st.data())
+def test_host_lists_and_a_row_come_in_one_read_and_equal_the_tensors(tokens, known, data):
+    from test_host_syncs import HostReadCounter
+
+    tree = TokenTree.from_root(tokens[0])
+    for added, token in enumerate(tokens[1:]):
+        if added == known:
+            tree.host_lists()  # the first nodes' lists known already: only the rest and the row are read
+        parent = data.draw(st.integers(0, tree.num_nodes - 1))
+        tree.add_children(torch.tensor([parent]), torch.tensor([token]), torch.tensor([-1.0]))
+    row = torch.arange(tree.num_nodes) * 3 - 1
+    with HostReadCounter() as counter:
+        parents, node_tokens, values = tree.host_lists_and(row)
+    assert sum(counter.sites.values()) == 1
+    assert (parents, node_tokens, values) == (tree.parents.tolist(), tree.tokens.tolist(), row.tolist())
+    assert tree.host_lists() == (parents, node_tokens)

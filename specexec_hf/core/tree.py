@@ -88,14 +88,21 @@ class TokenTree:
     def host_lists(self) -> tuple[list[int], list[int]]:
         """``(parents, tokens)`` as Python lists (not to be modified), read from the device once per tree: a tree
         grown by :meth:`add_children` reads only its new nodes."""
+        parents, tokens, _ = self.host_lists_and(None)
+        return parents, tokens
+
+    def host_lists_and(self, row: torch.Tensor | None) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`host_lists` and ``row`` (integers, ``None``: none) as a Python list, in one read from the device."""
         if self._host is None or self._host[0] is not self.parents or self._host[1] is not self.tokens:
             self._host = [self.parents, self.tokens, [], []]
-        known = len(self._host[2])
-        if known < self.num_nodes:
-            parents, tokens = torch.stack([self.parents[known:], self.tokens[known:]]).tolist()
-            self._host[2].extend(parents)
-            self._host[3].extend(tokens)
-        return self._host[2], self._host[3]
+        new = self.num_nodes - len(self._host[2])
+        parts = [self.parents[-new:], self.tokens[-new:]] if new else []
+        if row is not None:
+            parts.append(row.to(self.parents.dtype))
+        values = torch.cat(parts).tolist() if parts else []
+        self._host[2].extend(values[:new])
+        self._host[3].extend(values[new : 2 * new])
+        return self._host[2], self._host[3], values[2 * new :]
 
     def positions(self, root_position: int) -> torch.Tensor:
         """Sequence position of each node when the root sits at ``root_position``."""

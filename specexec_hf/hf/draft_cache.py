@@ -68,9 +68,10 @@ class DraftCache:
         keep = min(_common_prefix_length(self.cached_ids, history), len(history) - 1)
         accepted_slots: list[int] = []
         if self._pool is not None and keep == len(self.cached_ids):
-            # The history continues from the last tree's root: keep the fed nodes along that continuation.
+            # The history continues from the last tree's root: keep the fed nodes along that continuation. The
+            # pool's lists and its slots come in one read; child_index then reads nothing.
+            _, _, slots = self._pool.host_lists_and(self._pool_slots)
             child_of = self._pool.child_index()
-            slots = self._pool_slots.tolist()
             node = 0
             for token in history[keep : len(history) - 1]:
                 node = child_of.get((node, token), -1)
@@ -100,8 +101,8 @@ class DraftCache:
         pool, root_history = self._pool, self.history
         if pool is None or len(history) <= len(root_history) or history[: len(root_history)] != root_history:
             return None
+        _, _, slots = pool.host_lists_and(self._pool_slots)  # one read; child_index then reads nothing
         child_of = pool.child_index()
-        slots = self._pool_slots.tolist()
         node, continuation = 0, []
         for token in history[len(root_history) :]:
             node = child_of.get((node, token), -1)
