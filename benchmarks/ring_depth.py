@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ssd  # noqa: E402  (sibling scripts, not a package)
+from figure_checks import positive  # noqa: E402
 from memory_cap import evict  # noqa: E402
 from offload import load_draft  # noqa: E402
 
@@ -43,22 +43,16 @@ def depth_value(text: str) -> int | str:
     return text if text == DEFAULT else ssd.prefetch_value(text)
 
 
-def checked_positive(name: str, value: float) -> float:
-    """``value``, refused (the run fails) unless it is finite and positive: a figure that cannot be a measurement."""
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} = {value!r}: a measured figure must be finite and positive; the run is wrong.")
-    return value
-
-
 def goals(runs: list[dict[str, Any]], specexec: str) -> dict[str, Any]:
-    """The default depth's SpecExec tokens/s against the best hand-set depth's, and whether every output matched.
+    """The default depth's SpecExec tokens/s against the best hand-set depth's, and whether every output matched;
+    ``figure_checks.FigureError`` for a tokens/s no measurement gives.
 
     Args:
         runs: One entry per depth run, each with its ``label`` and ``methods`` summary.
         specexec: The SpecExec method's name in the summaries.
     """
-    speed = {run["label"]: checked_positive(f"{specexec} tokens/s at {run['label']}",
-                                            run["methods"][specexec]["tokens_per_second"]) for run in runs}
+    speed = {run["label"]: positive(f"{specexec} tokens/s at {run['label']}",
+                                    run["methods"][specexec]["tokens_per_second"]) for run in runs}
     default = [value for run, value in zip(runs, speed.values()) if run["depth"] == DEFAULT]
     hand_set = {label: value for run, (label, value) in zip(runs, speed.items()) if run["depth"] != DEFAULT}
     result: dict[str, Any] = {"all_outputs_identical": all(

@@ -9,6 +9,7 @@ import pytest
 from conftest import benchmark_script
 
 ring_depth = benchmark_script("ring_depth")
+figure_checks = benchmark_script("figure_checks")
 SPECEXEC = "SpecExec budget 64"
 
 
@@ -29,7 +30,7 @@ def test_the_goal_compares_the_slower_default_run_with_the_best_hand_set_depth()
 
 @pytest.mark.parametrize("bad", [0.0, -3.0, float("nan"), float("inf")])
 def test_a_figure_no_measurement_gives_fails_the_run(bad):
-    with pytest.raises(ValueError, match="must be finite and positive"):
+    with pytest.raises(figure_checks.FigureError, match="is not a finite number above zero"):
         ring_depth.goals([_run("default", bad), _run(14, 16.0)], SPECEXEC)
 
 
