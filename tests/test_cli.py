@@ -79,10 +79,12 @@ def test_generate_with_own_target_and_draft_equals_plain_greedy(pair, plain_gree
     assert "tokens per target forward" not in plain_report
 
 
-def test_generate_offloaded_target_with_a_draft_made_from_it(pair, plain_greedy_text, capsys):
-    """`--draft target` is built from the target in memory; the target that runs is offloaded all the same."""
+@pytest.mark.parametrize("draft", ["target", "self:exit:1"])
+def test_generate_offloaded_target_with_a_draft_made_from_it(pair, plain_greedy_text, draft, capsys):
+    """`--draft target` and the layer self-drafts are built from the target in memory; the target that runs is
+    offloaded all the same."""
     target_dir, _ = pair
-    answer, _ = generate(capsys, "--target", str(target_dir), "--draft", "target", "--offload", "stream",
+    answer, _ = generate(capsys, "--target", str(target_dir), "--draft", draft, "--offload", "stream",
                          "--max-memory", "cpu=0")  # fmt: skip
     assert answer == plain_greedy_text + "\n"
 
@@ -93,7 +95,7 @@ def test_bench_with_own_target_and_draft_matches_greedy(pair, tmp_path, offload,
     out = tmp_path / "bench"
     code = cli.main([
         "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--methods", "autoregressive", "specexec",
-        "--budgets", "6", "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8", "--threads", "1",
+        "specexec_rounds", "--budgets", "6", "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8", "--threads", "1",
         "--out", str(out), *offload,
     ])  # fmt: skip
     assert code == 0
@@ -101,9 +103,11 @@ def test_bench_with_own_target_and_draft_matches_greedy(pair, tmp_path, offload,
     assert report["models"]["target"]["name"] == str(target_dir)
     assert report["models"]["draft"]["name"] == str(draft_dir)
     assert report["models"]["target"]["offload"] == (offload[1] if offload else None)
-    (autoregressive, specexec) = report["results"]
-    assert autoregressive["new_tokens"] == specexec["new_tokens"] == 16
-    assert specexec["matches_autoregressive"] is True
+    (autoregressive, *trees) = report["results"]
+    assert [tree["method"] for tree in trees] == ["specexec", "specexec_rounds"]
+    for tree in trees:
+        assert autoregressive["new_tokens"] == tree["new_tokens"] == 16
+        assert tree["matches_autoregressive"] is True
 
 
 def test_offloaded_target_is_not_loaded_in_memory_for_a_draft_directory(pair, monkeypatch):

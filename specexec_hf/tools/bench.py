@@ -11,6 +11,8 @@ Every method runs the same target and draft over the same held-out chat prompts:
 - ``specexec``: SpecExec's best-first tree at each budget, and ``specexec_auto`` with ``budget="auto"``;
 - ``specexec_raw``: SpecExec with online acceptance calibration off (trees ranked by the draft's probability);
 - ``specexec_draft_only``: SpecExec with context matching off (trees ranked by the draft alone), the ablation;
+- ``specexec_rounds``: SpecExec's tree grown in fixed-shape rounds (``tree_search="rounds"``: the search's state
+  stays on the device, a few host reads per tree), at each budget;
 - ``specexec_drawn``: when sampling, SpecExec with the children after each node's top token drawn from the draft and
   verified by recursive rejection sampling (``sampled_children=True``); not run greedy, where it is ``specexec``.
 
@@ -51,7 +53,7 @@ from ..core.config import SpecExecConfig
 from ..core.search import tree_policy
 from ..core.stats import SpecExecStats
 from ..hf.autobudget import DEFAULT_CANDIDATES, forward_profile
-from ..hf.compat import use_sdpa_attention
+from ..hf.compat import execution_device, use_sdpa_attention
 from ..hf.learnt_state import LearntState
 from ..models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from ..offload import load_offloaded
@@ -61,10 +63,16 @@ from .prompts import chat_inputs, load_prompts
 
 METHODS = (
     "autoregressive", "hf_assisted", "specinfer", "sequoia", "specexec", "specexec_auto", "specexec_raw",
-    "specexec_draft_only", "specexec_drawn",
+    "specexec_draft_only", "specexec_drawn", "specexec_rounds",
 )
-TREE_METHODS = ("specexec", "specexec_raw", "specexec_draft_only", "specexec_drawn", "specinfer", "sequoia")
-SPECEXEC_METHODS = ("specexec", "specexec_auto", "specexec_raw", "specexec_draft_only", "specexec_drawn")
+TREE_METHODS = (
+    "specexec", "specexec_raw", "specexec_draft_only", "specexec_drawn", "specexec_rounds", "specinfer", "sequoia",
+)
+SPECEXEC_METHODS = (
+    "specexec", "specexec_auto", "specexec_raw", "specexec_draft_only", "specexec_drawn", "specexec_rounds",
+)
+# SpecExec methods that grow the tree with another registered search policy than best-first "specexec".
+SPECEXEC_SEARCH = {"specexec_rounds": "rounds"}
 SAMPLING_ONLY_METHODS = ("specexec_drawn",)  # greedy, they are another method exactly
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256, 512, 1024)
 GOAL_BUDGET = 256
@@ -206,7 +214,7 @@ class Bench:
             return {}
         if run.method == "hf_assisted":  # its settings live in the draft's generation_config (see measure)
             return {"assistant_model": self.draft}
-        policy = "specexec" if run.method in SPECEXEC_METHODS else run.method
+        policy = SPECEXEC_SEARCH.get(run.method, "specexec") if run.method in SPECEXEC_METHODS else run.method
         options = {"acceptance": self.acceptance[run.temperature]} if run.method == "sequoia" else {}
         tree = replace(self.tree, max_depth=self.specexec_max_depth) if run.method in SPECEXEC_METHODS else self.tree
         kwargs = {
@@ -482,7 +490,9 @@ def load_models(
         if not layers.isdigit() or int(layers) < 1:
             raise SystemExit(f"--draft {draft_name}: truncated:N takes a positive number of layers, e.g. truncated:4.")
     from_target = draft_name is not None and (
-        draft_name in TARGET_BASED_DRAFTS or draft_name.startswith("truncated:") or draft_name.endswith(".safetensors")
+        draft_name in TARGET_BASED_DRAFTS
+        or draft_name.startswith(("truncated:", "self:"))
+        or draft_name.endswith(".safetensors")
     )
     target = tokenizer = None
     if args.offload is None or from_target:
@@ -503,12 +513,14 @@ def load_models(
         "draft": {**draft_info, "parameters": _parameters(draft) if draft is not None else 0},
     }
     if draft is not None:
-        draft.to(execution_device(target))
+        draft.to(computing_device(target))
     return target, draft, tokenizer, info
 
 
-def execution_device(model: PreTrainedModel) -> torch.device:
-    """The device ``model`` computes on: the accelerator of an offloaded model's placement, else its parameters'."""
+def computing_device(model: PreTrainedModel) -> torch.device:
+    """Where the draft belongs: the accelerator of an offloaded target's placement (its layers compute there even
+    where its embedding, which :func:`~specexec_hf.hf.compat.execution_device` names for the inputs, stays on the
+    CPU), else the target's parameters' device."""
     placement = getattr(model, "hf_device_map", None)
     if placement is None:
         return model.device
