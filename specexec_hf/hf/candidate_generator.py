@@ -42,6 +42,7 @@ from ..core.tree import TokenTree
 from ..core.verify import rejection_chain, taken_probabilities
 from .compat import check_supported, logits_width, usable_vocabulary_size
 from .draft_cache import DraftCache, forward_feeds, scored_columns
+from .draft_graphs import DraftGraphs, StaticDraftCache, uses_draft_graphs
 from .forward import Feed
 
 SAMPLED_AFTER = 1
@@ -82,6 +83,12 @@ class SpecExecCandidateGenerator:
             proposed; the target's own choice still comes as the bonus token), reads a committed id it lacks as
             :data:`STAND_IN_TOKEN`, and its drawn children's distributions span the target's ids. ``None``: the
             draft's own size.
+        draft_graphs: Run the draft over a preallocated cache and padded feeds, each shape replayed as a CUDA
+            graph on a GPU (:class:`~.draft_graphs.StaticDraftCache`, the same logits): ``"auto"`` for a CUDA draft
+            with ``search=RoundPolicy(...)`` (``tree_search="rounds"``, whose rounds keep the feed's width fixed)
+            when the static cache can hold the draft's (full-attention layers of a verified family), falling back
+            to the dynamic cache otherwise; ``"on"`` always (eagerly on a CPU; a ``ValueError`` for a draft it
+            cannot hold); ``"off"`` never.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class SpecExecCandidateGenerator:
         acceptance_map: AcceptanceMap | None = None,
         sampled_children: bool = False,
         target_vocab_size: int | None = None,
+        draft_graphs: DraftGraphs = "auto",
     ):
         check_supported(draft_model, "draft")
         if not isinstance(search, SearchPolicy):
@@ -130,7 +138,9 @@ class SpecExecCandidateGenerator:
         self._draft_width = logits_width(draft_model)
         # Scored columns below shared_vocab_size, per column set (one host read per head, not per forward).
         self._shared_columns: tuple[torch.Tensor, int] | None = None
-        self.draft_cache = DraftCache(draft_model)
+        self.draft_cache = DraftCache(
+            draft_model, static=uses_draft_graphs(draft_graphs, draft_model, isinstance(search, RoundPolicy))
+        )
         # This tree's expansions, for acceptance_map to learn from and the walk to verify sampled children against;
         # kept on the device until the walk needs a few rows.
         self._expansions: list[_Expansion] = []
@@ -148,7 +158,7 @@ class SpecExecCandidateGenerator:
         self.seeded_trees = 0  # trees that started from a subtree grown ahead
 
     @property
-    def cache(self) -> DynamicCache:
+    def cache(self) -> DynamicCache | StaticDraftCache:
         """The draft's KV cache for this sequence."""
         return self.draft_cache.cache
 
@@ -211,7 +221,7 @@ class SpecExecCandidateGenerator:
         forwards = 0
         with _scored_columns_for(self.draft_model, [self]) as columns:
             while not done() and (nodes := search.next_nodes()) is not None:
-                (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)])
+                (logits,) = forward_feeds(self.draft_model, [self.feed(search.pool, nodes)], columns)
                 search.add_expansion(nodes, self.expansion(search.pool, nodes, logits, columns))
                 forwards += 1
         return forwards
@@ -435,7 +445,7 @@ def grow_trees(requests: Sequence[tuple[SpecExecCandidateGenerator, torch.Tensor
                 break
             feeds = [generators[i].feed(searches[i].pool, nodes) for i, nodes in work]
             calls += 1
-            for (i, nodes), logits in zip(work, forward_feeds(model, feeds)):
+            for (i, nodes), logits in zip(work, forward_feeds(model, feeds, columns)):
                 searches[i].add_expansion(nodes, generators[i].expansion(searches[i].pool, nodes, logits, columns))
     return TreeBatch([search.result() for search in searches], calls)
 

@@ -16,10 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from ..core.tree import TokenTree
 from .compat import execution_device
+from .draft_graphs import StaticDraftCache
 from .forward import Feed, batch_logits, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
 
@@ -40,11 +41,13 @@ class DraftCache:
 
     Args:
         draft_model: The draft; its execution device is where the feeds and the tree's bookkeeping live.
+        static: Keep the cache in preallocated buffers and run the draft over padded feeds, replayed as CUDA graphs
+            on a GPU (:class:`~.draft_graphs.StaticDraftCache`); else a ``DynamicCache``.
     """
 
-    def __init__(self, draft_model: PreTrainedModel):
+    def __init__(self, draft_model: PreTrainedModel, static: bool = False):
         self.draft_model = draft_model
-        self.cache = new_cache()
+        self.cache: DynamicCache | StaticDraftCache = StaticDraftCache(draft_model) if static else new_cache()
         self.cached_ids: list[int] = []
         # The history of the tree being grown; its last token is the root.
         self.history: list[int] = []
@@ -78,7 +81,7 @@ class DraftCache:
                 if node < 0 or node >= len(slots) or slots[node] < 0:
                     break
                 accepted_slots.append(slots[node])
-        compact_cache(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
+        _compact(self.cache, keep, torch.tensor(accepted_slots, dtype=torch.long))
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
 
@@ -118,7 +121,7 @@ class DraftCache:
                 kept.append(candidate)
         fed = sorted((slots[n], n) for n in kept[1:] if n < len(slots) and slots[n] >= 0)
         committed = len(history)
-        compact_cache(self.cache, len(root_history), torch.tensor(continuation + [slot for slot, _ in fed]))
+        _compact(self.cache, len(root_history), torch.tensor(continuation + [slot for slot, _ in fed]))
         self.history, self.cached_ids = history, list(history)
         position = {old: new for new, old in enumerate(kept)}
         new_slots = torch.full((len(kept),), -1, dtype=torch.long)
@@ -185,6 +188,14 @@ class DraftCache:
         self._pool, self._pool_slots = pool, slots
 
 
+def _compact(cache: DynamicCache | StaticDraftCache, keep_prefix: int, slots: torch.Tensor) -> None:
+    """Keeps the cache's entries ``[0, keep_prefix)`` followed by those at ``slots``, whichever kind it is."""
+    if isinstance(cache, StaticDraftCache):
+        cache.compact(keep_prefix, slots)
+    else:
+        compact_cache(cache, keep_prefix, slots)
+
+
 @contextmanager
 def scored_columns(model: PreTrainedModel) -> Iterator[torch.Tensor | None]:
     """Within it, in this thread, a draft whose LM head scores only part of the vocabulary returns logits over those
@@ -203,16 +214,32 @@ def scored_columns(model: PreTrainedModel) -> Iterator[torch.Tensor | None]:
         yield token_ids
 
 
-def forward_feeds(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+def forward_feeds(
+    model: PreTrainedModel, feeds: Sequence[Feed], columns: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Runs several sequences' feeds through ``model``, batching those of similar length.
 
     Feeds are sorted by length and grouped so that padding is at most half of each batch: a long prompt prefill
-    runs alone instead of padding every tree expansion to its length.
+    runs alone instead of padding every tree expansion to its length. A feed over a
+    :class:`~.draft_graphs.StaticDraftCache` runs alone, over its own buffers.
+
+    Args:
+        model: The draft.
+        feeds: One per sequence.
+        columns: What :func:`scored_columns` yielded around this call (a static cache's graph keeps the head's
+            output width it was captured with).
 
     Returns:
         Per feed, in order, the float32 logits of its last ``num_logits`` tokens.
     """
-    order = sorted(range(len(feeds)), key=lambda i: feeds[i].tokens.numel())
+    logits: list[torch.Tensor | None] = [None] * len(feeds)
+    dynamic = []
+    for i, feed in enumerate(feeds):
+        if isinstance(feed.cache, StaticDraftCache):
+            logits[i] = feed.cache.logits(feed, scored_columns=columns is not None)
+        else:
+            dynamic.append(i)
+    order = sorted(dynamic, key=lambda i: feeds[i].tokens.numel())
     groups: list[list[int]] = []
     real = 0
     for i in order:
@@ -223,7 +250,6 @@ def forward_feeds(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.T
         else:
             groups.append([i])
             real = length
-    logits: list[torch.Tensor | None] = [None] * len(feeds)
     for group in groups:
         if len(group) == 1:
             logits[group[0]] = model_logits(model, feeds[group[0]])
