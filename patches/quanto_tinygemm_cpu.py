@@ -16,23 +16,22 @@ about four times that), and the last four shapes are kept. GPU-packed weights ke
 the GPU, cheap there).
 
 ``apply()`` is idempotent, ``revert()`` restores quanto's method and drops the learnt layouts, and ``apply()``
-refuses an optimum-quanto outside ``SUPPORTED_VERSIONS``.
+refuses an optimum-quanto outside :data:`~.quanto_unpack.QUANTO` or one whose ``unpack`` takes other parameters.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from .quanto_unpack import SUPPORTED_VERSIONS, check_version
+from .patch import Patch
+from .quanto_unpack import QUANTO
 
-__all__ = ["SUPPORTED_VERSIONS", "apply", "is_applied", "revert", "unpack_cpu_int4pack"]
+__all__ = ["apply", "is_applied", "revert", "unpack_cpu_int4pack"]
 
 INNER_K_TILES = 2  # what quanto's TinyGemmPackedTensor.pack passes to torch's packer
-_original_unpack: Callable | None = None
 
 
 @functools.lru_cache(maxsize=4)  # a decoder layer's linear weights come in at most four shapes
@@ -70,46 +69,52 @@ def unpack_cpu_int4pack(packed: torch.Tensor, rows: int, columns: int) -> torch.
     return values.view(rows, columns)
 
 
-def apply() -> None:
-    """Makes quanto unpack CPU-packed int4 weights by the learnt layout (idempotent).
+def _unpacking_cpu_by_layout(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """quanto's ``TinyGemmPackedTensor.unpack``, by the learnt layout for CPU-packed weights."""
 
-    Raises:
-        RuntimeError: optimum-quanto is of another release line.
-        ModuleNotFoundError: optimum-quanto is not installed.
-    """
-    global _original_unpack
-    if _original_unpack is not None:
-        return
-    check_version(
-        importlib.metadata.version("optimum-quanto"),
-        "quanto_tinygemm_cpu (TinyGemmPackedTensor.unpack)",
-        "leave the patch off (quanto's own unpack: a product over an identity matrix, minutes per large int4 weight "
-        "moved off the CPU)",
-    )
-    from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
-
-    original = TinyGemmPackedTensor.unpack
-
-    def unpack(self: TinyGemmPackedTensor) -> torch.Tensor:
+    def unpack(self) -> torch.Tensor:
         if self._data.device.type != "cpu":
             return original(self)
         return unpack_cpu_int4pack(self._data, *self.size())
 
-    TinyGemmPackedTensor.unpack = unpack
-    _original_unpack = original
+    return unpack
+
+
+_WHY = "specexec_hf.patches.quanto_tinygemm_cpu (TinyGemmPackedTensor.unpack)"
+_OTHERWISE = (
+    "leave the patch off (quanto's own unpack: a product over an identity matrix, minutes per large int4 weight moved "
+    "off the CPU)"
+)
+_PATCH: Patch | None = None  # built on first use: quanto is an optional dependency
+
+
+def _patch() -> Patch:
+    global _PATCH
+    if _PATCH is None:
+        from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
+
+        _PATCH = Patch(TinyGemmPackedTensor, "unpack", ("self",), _unpacking_cpu_by_layout, QUANTO, _WHY, _OTHERWISE)
+    return _PATCH
+
+
+def apply() -> None:
+    """Makes quanto unpack CPU-packed int4 weights by the learnt layout (idempotent).
+
+    Raises:
+        UnsupportedRelease: optimum-quanto is of another release line, or its unpack takes other parameters.
+        ModuleNotFoundError: optimum-quanto is not installed.
+    """
+    # The release line first: another line may not have the module _patch() imports.
+    QUANTO.check(user=_WHY, otherwise=_OTHERWISE)
+    _patch().apply()
 
 
 def revert() -> None:
     """Gives quanto back its own unpack and forgets the learnt layouts (nothing if not applied)."""
-    global _original_unpack
-    if _original_unpack is None:
-        return
-    from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
-
-    TinyGemmPackedTensor.unpack = _original_unpack
-    _original_unpack = None
-    _nibble_sources.cache_clear()
+    if _PATCH is not None and _PATCH.applied:
+        _PATCH.revert()
+        _nibble_sources.cache_clear()
 
 
 def is_applied() -> bool:
-    return _original_unpack is not None
+    return _PATCH is not None and _PATCH.applied

@@ -11,40 +11,22 @@ did not finish within its 60 s for this reason.
 The patch registers quanto's own portable kernel (the op's ``default`` implementation: shifts and masks on
 ``uint8``, the same integers) as the CUDA kernel instead. quanto's other CUDA kernels (AWQ fp16 matmuls, Marlin
 fp8) are untouched and still build on their own first use. ``apply()`` is idempotent, ``revert()`` gives the op
-back its previous CUDA kernel, and ``apply()`` refuses an optimum-quanto outside ``SUPPORTED_VERSIONS``.
+back its previous CUDA kernel, and ``apply()`` refuses an optimum-quanto outside :data:`QUANTO`. A kernel registration
+is not an attribute, so this is the one patch that does not go through :class:`~.patch.Patch`; it keeps its verbs.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 
 import torch
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-SUPPORTED_VERSIONS = SpecifierSet(">=0.2,<0.3")
+from .patch import Release
+
+# The release line both quanto patches were read against.
+QUANTO = Release("optimum.quanto", ">=0.2,<0.3", "optimum-quanto==0.2.7")
 _PORTABLE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 _registration: torch.library.Library | None = None
-
-
-def check_version(
-    version: str,
-    patch: str = "quanto_unpack (its quanto::unpack op and portable kernel)",
-    otherwise: str = "let quanto build its CUDA extension (nvcc and ninja; minutes on first use)",
-) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is an optimum-quanto release the patch was read against.
-
-    Args:
-        version: optimum-quanto's version.
-        patch: The patch and what of quanto it was read against, for the message.
-        otherwise: What happens without the patch, for the message.
-    """
-    if Version(Version(version).base_version) not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"specexec_hf.patches.{patch} was written for optimum-quanto {SUPPORTED_VERSIONS}; found {version}. "
-            f"Install optimum-quanto==0.2.7, or {otherwise}."
-        )
 
 
 def apply() -> None:
@@ -57,7 +39,10 @@ def apply() -> None:
     global _registration
     if _registration is not None:
         return
-    check_version(importlib.metadata.version("optimum-quanto"))
+    QUANTO.check(
+        user="specexec_hf.patches.quanto_unpack (its quanto::unpack op and portable kernel)",
+        otherwise="let quanto build its CUDA extension (nvcc and ninja; minutes on first use)",
+    )
     import optimum.quanto  # noqa: F401 (defines the op and its portable kernel)
 
     registration = torch.library.Library("quanto", "IMPL")

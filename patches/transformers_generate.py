@@ -13,8 +13,8 @@ Two wrappers, both reverted together:
   arguments its signature adds, dropping the draft, the streamer and the tokenizer (so ``stop_strings`` fail).
   For SpecExec's callable alone, the wrapper passes them on as the built-in decoding modes get them.
 
-``apply()`` is idempotent, ``revert()`` restores the originals, and ``apply()`` refuses a transformers version
-outside ``SUPPORTED_VERSIONS`` or one whose patched method has another signature.
+``apply()`` is idempotent and ``revert()`` restores the originals; both wrappers are :class:`~.patch.Patch` es, so
+``apply()`` refuses a transformers version outside :data:`TRANSFORMERS` or a patched method with another signature.
 """
 
 from __future__ import annotations
@@ -22,53 +22,59 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
-import transformers
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 from transformers.generation.utils import GenerationMixin
 
-SUPPORTED_VERSIONS = SpecifierSet(">=5.16,<6")
+from .patch import Patch, Release, UnsupportedRelease
+
 SPECULATORS = ("specexec",)
-_GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
-_EXTRACT_PARAMETERS = ["self", "custom_generate", "kwargs", "synced_gpus", "assistant_model", "streamer"]
-_originals: dict[str, Callable] = {}
 
 
-class UnsupportedTransformersVersion(RuntimeError):
+class UnsupportedTransformersVersion(UnsupportedRelease):
     """The installed transformers is outside the range this patch was written and tested for."""
 
 
-def check_version(version: str | None = None) -> None:
-    version = version or transformers.__version__
-    if Version(Version(version).base_version) not in SUPPORTED_VERSIONS:
-        raise UnsupportedTransformersVersion(
-            f"specexec_hf patches transformers {SUPPORTED_VERSIONS}, but transformers {version} is installed. "
-            f"Install a supported version (pip install 'transformers{SUPPORTED_VERSIONS}')."
-        )
-    extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
-    if extract is None or list(inspect.signature(extract).parameters) != _EXTRACT_PARAMETERS:
-        raise UnsupportedTransformersVersion(
-            f"transformers {version} changed GenerationMixin._extract_generation_mode_kwargs, which specexec_hf "
-            f"patches; install transformers{SUPPORTED_VERSIONS} at a release this version was tested with."
-        )
+TRANSFORMERS = Release(
+    "transformers", ">=5.16,<6", "transformers>=5.16,<6", error=UnsupportedTransformersVersion
+)
+_GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
+# GenerationMixin.generate and _extract_generation_mode_kwargs as transformers 5.16 - 5.19 define them.
+GENERATE_PARAMETERS = (
+    "self", "inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+    "custom_generate", "kwargs",
+)  # fmt: skip
+EXTRACT_PARAMETERS = ("self", "custom_generate", "kwargs", "synced_gpus", "assistant_model", "streamer")
 
 
 def is_applied() -> bool:
-    return bool(_originals)
+    return all(patch.applied for patch in _PATCHES)
 
 
 def apply() -> None:
-    """Installs the ``speculator=`` argument; a second call does nothing."""
-    if is_applied():
-        return
-    check_version()
+    """Installs the ``speculator=`` argument; a second call does nothing.
+
+    Raises:
+        UnsupportedTransformersVersion: transformers is outside :data:`TRANSFORMERS`, or a patched method changed.
+    """
+    for patch in _PATCHES:  # both checked before either is applied
+        patch.check()
+    for patch in _PATCHES:
+        patch.apply()
+
+
+def revert() -> None:
+    """Restores transformers' own methods; does nothing if the patch is not applied."""
+    for patch in _PATCHES:
+        patch.revert()
+
+
+def _speculating_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``generate`` with the ``speculator=`` argument, over transformers' ``original``."""
     from specexec_hf.hf.generation import generate as specexec_generate
     from specexec_hf.hf.ownership import exclusive_call
     from specexec_hf.hf.settings import SPECULATOR_FIELD
-
-    original = GenerationMixin.generate
-    original_extract = GenerationMixin._extract_generation_mode_kwargs
 
     def configured_speculator(model, args: tuple, kwargs: dict) -> str | None:
         """The speculator of the call's generation config where it names one (``None`` included), else the
@@ -105,6 +111,13 @@ def apply() -> None:
         kwargs["draft_model"] = kwargs.pop("assistant_model")
         return original(self, *args, custom_generate=specexec_generate, **kwargs)
 
+    return generate
+
+
+def _passing_extract(original_extract: Callable[..., Any]) -> Callable[..., Any]:
+    """``_extract_generation_mode_kwargs`` handing SpecExec's callable what the built-in modes get."""
+    from specexec_hf.hf.generation import generate as specexec_generate
+
     @functools.wraps(original_extract)
     def extract_generation_mode_kwargs(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
         if custom_generate is not specexec_generate:
@@ -113,13 +126,13 @@ def apply() -> None:
         custom = original_extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
         return {**standard, **custom}
 
-    _originals.update(generate=original, _extract_generation_mode_kwargs=original_extract)
-    GenerationMixin.generate = generate
-    GenerationMixin._extract_generation_mode_kwargs = extract_generation_mode_kwargs
+    return extract_generation_mode_kwargs
 
 
-def revert() -> None:
-    """Restores transformers' own methods; does nothing if the patch is not applied."""
-    for name, method in _originals.items():
-        setattr(GenerationMixin, name, method)
-    _originals.clear()
+_WHY = "specexec_hf's speculator= argument"
+_PATCHES = (
+    Patch(GenerationMixin, "generate", GENERATE_PARAMETERS, _speculating_generate, TRANSFORMERS, _WHY),
+    Patch(
+        GenerationMixin, "_extract_generation_mode_kwargs", EXTRACT_PARAMETERS, _passing_extract, TRANSFORMERS, _WHY
+    ),
+)

@@ -229,11 +229,30 @@ def test_patch_is_idempotent_and_reversible(llama_pair):
 
 
 def test_patch_refuses_versions_it_was_not_written_for():
-    with pytest.raises(transformers_generate.UnsupportedTransformersVersion, match="transformers 4.57.1 is installed"):
-        transformers_generate.check_version("4.57.1")
+    release = transformers_generate.TRANSFORMERS
+    with pytest.raises(transformers_generate.UnsupportedTransformersVersion, match="found transformers 4.57.1"):
+        release.check("4.57.1")
     with pytest.raises(transformers_generate.UnsupportedTransformersVersion):
-        transformers_generate.check_version("6.0.0")
-    transformers_generate.check_version("5.16.0")
+        release.check("6.0.0")
+    release.check("5.16.0")
+
+
+def test_patch_refuses_a_generate_with_another_signature(monkeypatch):
+    """A transformers release that changed what the patch wraps is refused, naming the method; nothing is patched."""
+    transformers_generate.revert()
+    try:
+
+        def generate(self, inputs=None, **kwargs):
+            raise AssertionError("never called")
+
+        monkeypatch.setattr(GenerationMixin, "generate", generate)
+        with pytest.raises(transformers_generate.UnsupportedTransformersVersion, match=r"GenerationMixin\.generate "
+                           r"takes \(self, inputs, kwargs\)"):  # fmt: skip
+            transformers_generate.apply()
+        assert GenerationMixin.generate is generate and not transformers_generate.is_applied()
+    finally:
+        monkeypatch.undo()
+        transformers_generate.apply()
 
 
 def test_pipeline_switches_to_specexec_with_two_arguments(llama_pair):

@@ -74,7 +74,7 @@ def test_weights_packed_for_another_device_keep_quantos_own_unpack(patch, monkey
     from optimum.quanto.tensor.weights.tinygemm.packed import TinyGemmPackedTensor
 
     calls = []
-    monkeypatch.setattr(TinyGemmPackedTensor, "unpack", lambda packed: calls.append(packed) or "quanto's")
+    monkeypatch.setattr(TinyGemmPackedTensor, "unpack", lambda self: calls.append(self) or "quanto's")
     patch.apply()
     try:
         on_gpu = SimpleNamespace(_data=torch.empty(0, device="meta"))  # device type other than "cpu"
@@ -98,10 +98,10 @@ def test_apply_is_idempotent_and_revert_restores_quantos_method(patch):
 
 @pytest.mark.parametrize("version", ["0.1.0", "0.3.0"])
 def test_another_quanto_release_line_is_refused_naming_the_fix(version, monkeypatch, patch):
-    import importlib.metadata
+    import optimum.quanto
 
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    refused = r"quanto_tinygemm_cpu .*found " + version.replace(".", r"\.") + ".*0\\.2\\.7"
+    monkeypatch.setattr(optimum.quanto, "__version__", version)
+    refused = r"quanto_tinygemm_cpu .*found optimum\.quanto " + version.replace(".", r"\.") + ".*0\\.2\\.7"
     with pytest.raises(RuntimeError, match=refused):
         patch.apply()
     assert not patch.is_applied()

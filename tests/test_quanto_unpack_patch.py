@@ -67,6 +67,7 @@ def test_apply_is_idempotent_and_revert_restores_the_kernels_there_were(patch):
 def test_another_quanto_release_line_is_refused_naming_the_fix(version):
     from specexec_hf.patches import quanto_unpack
 
-    with pytest.raises(RuntimeError, match=r"found " + version.replace(".", r"\.") + r".*optimum-quanto==0\.2\.7"):
-        quanto_unpack.check_version(version)
-    quanto_unpack.check_version("0.2.7")
+    refused = r"found optimum\.quanto " + version.replace(".", r"\.") + r".*optimum-quanto==0\.2\.7"
+    with pytest.raises(RuntimeError, match=refused):
+        quanto_unpack.QUANTO.check(version)
+    quanto_unpack.QUANTO.check("0.2.7")
