@@ -20,21 +20,31 @@ from transformers.generation.streamers import BaseStreamer
 from ..core.config import SpecExecConfig
 from ..core.search import SearchPolicy, grow_tree, tree_policy
 from ..core.stats import SpecExecStats
+from .batch import decode_batch, new_rows
 from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import (
-    check_intermediate_vocabulary, check_masked_tokens_supported, check_same_tokenizer, check_supported,
+    check_intermediate_vocabulary,
+    check_masked_tokens_supported,
+    check_same_tokenizer,
+    check_supported,
     logits_width,
 )
-from .decoder import ChoiceRule, SpecExecDecoder, StepOutcome, TreeLogitsProcessor, check_draft_ahead
+from .decoder import (
+    ChoiceRule,
+    SpecExecDecoder,
+    TreeLogitsProcessor,
+    check_draft_ahead,
+)
 from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import ReadAheadWatch, hint_streaming_executor
-from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput
+from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput, commit_tokens
 from .ownership import exclusive_call
-from .request import Request, check_budget_fits, validate_request
+from .request import Request, check_budget_fits, validate_batch
 from .self_draft import resolve_draft
 from .settings import specexec_settings, warn_unused_assisted_settings
+
 
 @exclusive_call  # a streamed target's ring serves one call at a time
 @torch.no_grad()
@@ -64,6 +74,7 @@ def generate(
     intermediate_model: PreTrainedModel | str | None = None,
     draft_budget: int | None = None,
     tree_search: SearchPolicy | str | None = None,
+    step_budget: int | None = None,
     learnt_state: LearntState | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -126,28 +137,45 @@ def generate(
         max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
         context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
         sampled_children=sampled_children, draft_ahead=draft_ahead, tree_search=tree_search, draft_budget=draft_budget,
+        step_budget=step_budget,
     ))
     tree_search, draft_budget = settings["tree_search"] or grow_tree, settings["draft_budget"]
     by_name = isinstance(tree_search, str)
     tree_search = tree_policy(tree_search) if by_name else tree_search  # an unknown name fails before any work
-    draft_model, request = _checked_request(
+    draft_model, requests = _checked_request(
         model, draft_model if draft_model is not None else assistant_model, input_ids, generation_config,
         model_kwargs, synced_gpus, tokenizer, assistant_tokenizer,
     )
+    config = _capped_by_step_budget(config, settings["step_budget"], len(requests))
+    if len(requests) > 1:
+        _check_batch_settings(config, intermediate_model, generation_config)
     hint_streaming_executor(model)
     if config.budget != "auto":
-        check_budget_fits(model, request.input_ids.shape[1], generation_config.max_length, config.budget)
+        longest = max(request.input_ids.shape[1] for request in requests)
+        check_budget_fits(model, longest, generation_config.max_length, config.budget, rows=len(requests))
+    request = requests[0]
     intermediate = _checked_intermediate(model, intermediate_model, draft_budget, config, request, generation_config)
     state = learnt_state if learnt_state is not None else learnt_state_of(draft_model)
     if by_name:  # a policy chosen by name learns in the state, as the acceptance maps do
         do_sample = generation_config.do_sample
         ranking = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
         state.share_learning(tree_search, do_sample, *ranking)
-    decoder = _decoder(
-        model, draft_model, request, config, tree_search, state, logits_processor, generation_config, intermediate
-    )
     recorder = OutputRecorder(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
+    )
+    if len(requests) > 1:
+        drafters = [_drafter(model, draft_model, config, tree_search, state, generation_config) for _ in requests]
+        pad_token = generation_config._pad_token_tensor
+        sequences = decode_batch(
+            model, new_rows(requests, drafters, generation_config.max_length),
+            _choice_rule(model, logits_processor, generation_config.do_sample), stopping_criteria, recorder,
+            None if pad_token is None else int(pad_token), streamer, settings["step_budget"],
+        )
+        if streamer is not None:
+            streamer.end()
+        return recorder.output(sequences, None)
+    decoder = _decoder(
+        model, draft_model, request, config, tree_search, state, logits_processor, generation_config, intermediate
     )
     # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
     # the models see it without (the decoder counts unpadded tokens).
@@ -156,7 +184,7 @@ def generate(
     finished = False
     while not finished:
         outcome = decoder.step(sequence)
-        sequence, committed, finished = _commit(sequence, outcome, stopping_criteria, recorder)
+        sequence, committed, finished = commit_tokens(sequence, outcome, stopping_criteria, recorder)
         if streamer is not None:
             streamer.put(sequence[0, -committed:].cpu())
         recorder.add_step(outcome, committed)
@@ -177,8 +205,9 @@ def _checked_request(
     synced_gpus: bool,
     tokenizer: Any = None,
     assistant_tokenizer: Any = None,
-) -> tuple[PreTrainedModel, Request]:
-    """The draft (a ``"self:..."`` spec resolved) and the checked request, or a clear error before any work."""
+) -> tuple[PreTrainedModel, list[Request]]:
+    """The draft (a ``"self:..."`` spec resolved) and the checked request of each row, or a clear error before any
+    work."""
     if draft_model is None:
         draft_model = _assistant_model_of_generate_call()
     draft_model = resolve_draft(model, draft_model) if isinstance(draft_model, str) else draft_model
@@ -188,11 +217,53 @@ def _checked_request(
             "draft_model=, the same)."
         )
     check_supported(model, "target")  # first: an unsupported model's inputs are beside the point
-    request = validate_request(model, input_ids, generation_config, model_kwargs, synced_gpus)
-    if request.has_masked_tokens:
+    requests = validate_batch(model, input_ids, generation_config, model_kwargs, synced_gpus)
+    if any(request.has_masked_tokens for request in requests):
         check_masked_tokens_supported(model)
     check_same_tokenizer(tokenizer, assistant_tokenizer)
-    return draft_model, request
+    return draft_model, requests
+
+
+def _capped_by_step_budget(config: SpecExecConfig, step_budget: int | None, rows: int) -> SpecExecConfig:
+    """The knobs with one sequence's tree cut to ``step_budget`` nodes (a batch shares them out step by step).
+
+    Raises:
+        ValueError: for a ``step_budget`` that is not a positive integer, or beside ``budget="auto"``.
+    """
+    if step_budget is None:
+        return config
+    if not isinstance(step_budget, int) or isinstance(step_budget, bool) or step_budget < 1:
+        raise ValueError(
+            f"step_budget must be a positive integer: the tree nodes one target forward verifies over all the batch's "
+            f"rows; got {step_budget!r}."
+        )
+    if config.budget == "auto":
+        raise ValueError(
+            'step_budget fixes the nodes each target forward verifies, which budget="auto" picks itself: pass a '
+            "fixed budget= with step_budget=, or drop step_budget."
+        )
+    return config if rows > 1 else config.updated(budget=min(config.budget, step_budget))
+
+
+def _check_batch_settings(
+    config: SpecExecConfig, intermediate_model: PreTrainedModel | str | None, generation_config: GenerationConfig
+) -> None:
+    """Refuses, naming it, a setting that a batch of prompts does not support yet."""
+    refused = [
+        name for name, on in (
+            ('budget="auto"', config.budget == "auto"), ("draft_ahead=True", config.draft_ahead),
+            ("intermediate_model", intermediate_model is not None),
+            ("output_scores", generation_config.output_scores), ("output_logits", generation_config.output_logits),
+            ("output_hidden_states", generation_config.output_hidden_states),
+            ("output_attentions", generation_config.output_attentions),
+        ) if on
+    ]
+    if refused:
+        raise ValueError(
+            f"SpecExec does not run {refused[0]} over a batch of prompts yet: pass a fixed budget=, draft_ahead=False, "
+            "no intermediate_model and no per-token outputs, or call generate() per prompt (a pipeline's "
+            "batch_size=1)."
+        )
 
 
 def _assistant_model_of_generate_call() -> PreTrainedModel | str | None:
@@ -264,54 +335,55 @@ def _decoder(
     generation_config: GenerationConfig,
     intermediate: IntermediateDraft | None = None,
 ) -> SpecExecDecoder:
-    """The decoder for one ``generate()`` call: its drafter (with the draft's calibrated ranking settings, and the
-    acceptance map and drawn children where the policy supports them), ``budget="auto"`` and the choice rule, both
-    learning in ``state``; with an ``intermediate``, the drafter grows trees of its draft budget."""
+    """The decoder for one ``generate()`` call: its drafter (:func:`_drafter`), ``budget="auto"`` and the choice
+    rule, both learning in ``state``; with an ``intermediate``, the drafter grows trees of its draft budget."""
+    if config.draft_ahead:
+        check_draft_ahead(model, draft_model)
+    drafter = _drafter(
+        model, draft_model, config if intermediate is None else config.updated(budget=intermediate.draft_budget),
+        tree_search, state, generation_config,
+    )
+    auto_budget = (
+        state.auto_budget(model, draft_model, config, drafter.temperature) if config.budget == "auto" else None
+    )
+    costs = (auto_budget.target_seconds, auto_budget.draft_forward_seconds) if auto_budget is not None else None
+    if costs is not None and tree_search.size_by_cost(*costs):
+        # The policy sizes each tree from the same measured costs, up to the largest budget "auto" would pick.
+        drafter.config, auto_budget = config.updated(budget=max(auto_budget.candidates)), None
+    trace = (generation_config.output_hidden_states, generation_config.output_attentions)
+    return SpecExecDecoder(
+        model, drafter, request, _choice_rule(model, logits_processor, generation_config.do_sample),
+        generation_config.max_length, auto_budget, trace, config.draft_ahead, intermediate,
+    )
+
+
+def _drafter(
+    model: PreTrainedModel,
+    draft_model: PreTrainedModel,
+    config: SpecExecConfig,
+    tree_search: SearchPolicy,
+    state: LearntState,
+    generation_config: GenerationConfig,
+) -> SpecExecCandidateGenerator:
+    """One sequence's drafter: the draft's calibrated ranking settings, and the acceptance map (learning in
+    ``state``) and drawn children where the policy supports them."""
     do_sample = generation_config.do_sample
     draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
     calibrate = config.acceptance_calibration and tree_search.ranks_children
     sampled_children = do_sample and config.sampled_children and tree_search.draws_children
-    if config.draft_ahead:
-        check_draft_ahead(model, draft_model)
-    drafter = SpecExecCandidateGenerator(
-        draft_model, config if intermediate is None else config.updated(budget=intermediate.draft_budget),
-        draft_temperature, search=tree_search, context_match_weights=match_weights,
+    return SpecExecCandidateGenerator(
+        draft_model, config, draft_temperature, search=tree_search, context_match_weights=match_weights,
         acceptance_map=state.acceptance_map(
             draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
         sampled_children=sampled_children, target_vocab_size=logits_width(model),
     )
-    auto_budget = state.auto_budget(model, draft_model, config, draft_temperature) if config.budget == "auto" else None
-    costs = (auto_budget.target_seconds, auto_budget.draft_forward_seconds) if auto_budget is not None else None
-    if costs is not None and tree_search.size_by_cost(*costs):
-        # The policy sizes each tree from the same measured costs, up to the largest budget "auto" would pick.
-        drafter.config, auto_budget = config.updated(budget=max(auto_budget.candidates)), None
-    # Near-ties: how far rounding in the target's dtype can move its logits (see core.precision).
-    rule = ChoiceRule(
+
+
+def _choice_rule(model: PreTrainedModel, logits_processor: LogitsProcessorList, do_sample: bool) -> ChoiceRule:
+    """The target's choice rule; near-ties measured by how far rounding in its dtype can move its logits (see
+    :mod:`specexec_hf.core.precision`)."""
+    return ChoiceRule(
         TreeLogitsProcessor(logits_processor), do_sample, torch.finfo(model.dtype).eps,
         model.config.get_text_config().hidden_size,
     )
-    trace = (generation_config.output_hidden_states, generation_config.output_attentions)
-    return SpecExecDecoder(
-        model, drafter, request, rule, generation_config.max_length, auto_budget, trace, config.draft_ahead,
-        intermediate,
-    )
-
-
-def _commit(
-    sequence: torch.Tensor, outcome: StepOutcome, stopping_criteria: StoppingCriteriaList, recorder: OutputRecorder
-) -> tuple[torch.Tensor, int, bool]:
-    """Appends the step's tokens one at a time, recording each and checking the stopping criteria after it.
-
-    Returns:
-        The longer sequence, how many tokens it gained (tokens after a stop are dropped), and whether it stopped.
-    """
-    tokens = outcome.acceptance.tokens
-    # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
-    extended = torch.cat([sequence, sequence.new_tensor([tokens])], dim=-1)
-    for index, scores in enumerate(outcome.scores):
-        sequence = extended[:, : extended.shape[1] - len(tokens) + index + 1]
-        recorder.add_token(outcome, index)
-        if bool(stopping_criteria(sequence, scores).any()):
-            return sequence, index + 1, True
-    return sequence, len(tokens), False

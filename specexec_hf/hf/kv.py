@@ -13,6 +13,7 @@ Every layer keeps a full cache (also sliding and chunked ones, whose spans the m
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -44,12 +45,27 @@ def record_positions(cache: DynamicCache, positions: torch.Tensor) -> torch.Tens
 
 
 def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) -> None:
-    """Keeps cache entries ``[0, keep_prefix)`` followed by the entries at ``slots``; drops the rest.
+    """Keeps cache entries ``[0, keep_prefix)`` followed by the entries at ``slots``; drops the rest (every batch row
+    alike).
 
     ``slots`` must be ascending and ``>= keep_prefix``, so each entry only ever moves down and the copy cannot
     overwrite an entry it still has to read.
     """
-    kept = keep_prefix + slots.numel()
+    _compact(cache, [(slice(None), keep_prefix, slots)])
+
+
+def compact_rows(cache: DynamicCache, prefixes: Sequence[int], slots: Sequence[torch.Tensor]) -> None:
+    """:func:`compact_cache` per batch row: row ``r`` keeps its entries ``[0, prefixes[r])`` followed by those at
+    ``slots[r]``; the cache is cut to the longest row, shorter rows leaving stale entries after theirs (a batch of
+    sequences sharing one cache, see :mod:`specexec_hf.core.batch_packing`)."""
+    rows = [slice(row, row + 1) for row in range(len(prefixes))]  # slices: an int index would move the slot axis
+    _compact(cache, list(zip(rows, prefixes, slots)))
+
+
+def _compact(cache: DynamicCache, moves: Sequence[tuple[slice, int, torch.Tensor]]) -> None:
+    """Per ``(rows, keep_prefix, slots)``: those rows' entries at ``slots`` moved down behind their first
+    ``keep_prefix``; then every layer cut to the longest kept row."""
+    kept = max(prefix + slots.numel() for _, prefix, slots in moves)
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise TypeError(
@@ -57,13 +73,29 @@ def compact_cache(cache: DynamicCache, keep_prefix: int, slots: torch.Tensor) ->
             )
         if not layer.is_initialized:
             continue
-        if slots.numel():
-            slots = slots.to(layer.keys.device)
-            layer.keys[..., keep_prefix:kept, :] = layer.keys[..., slots, :]
-            layer.values[..., keep_prefix:kept, :] = layer.values[..., slots, :]
+        for rows, prefix, slots in moves:
+            if slots.numel():
+                slots = slots.to(layer.keys.device)
+                end = prefix + slots.numel()
+                layer.keys[rows, ..., prefix:end, :] = layer.keys[rows, ..., slots, :]
+                layer.values[rows, ..., prefix:end, :] = layer.values[rows, ..., slots, :]
         layer.keys = layer.keys[..., :kept, :]
         layer.values = layer.values[..., :kept, :]
     recorded = _slot_positions.get(cache)
     if recorded is not None:
-        slots = slots.to(recorded.device)
-        _slot_positions[cache] = torch.cat([recorded[:, :keep_prefix], recorded[:, slots]], dim=-1)
+        recorded = recorded.clone()
+        for rows, prefix, slots in moves:
+            recorded[rows, prefix : prefix + slots.numel()] = recorded[rows, slots.to(recorded.device)]
+        _slot_positions[cache] = recorded[:, :kept]
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor, length: int) -> None:
+    """Keeps batch ``rows`` of ``cache`` (in that order) and its first ``length`` slots: sequences that left a
+    shared batch cache take their rows with them."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.keys = layer.keys[rows.to(layer.keys.device), ..., :length, :]
+            layer.values = layer.values[rows.to(layer.values.device), ..., :length, :]
+    recorded = _slot_positions.get(cache)
+    if recorded is not None:
+        _slot_positions[cache] = recorded[rows.to(recorded.device), :length]

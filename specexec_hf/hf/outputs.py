@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PretrainedConfig
-from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from ..core.stats import SpecExecStats, StepStats
@@ -115,3 +115,22 @@ class OutputRecorder:
             past_key_values=cache if config.use_cache else None,
             specexec_stats=self.stats,
         )
+
+
+def commit_tokens(
+    sequence: torch.Tensor, outcome: StepOutcome, stopping_criteria: StoppingCriteriaList, recorder: OutputRecorder
+) -> tuple[torch.Tensor, int, bool]:
+    """Appends the step's tokens one at a time, recording each and checking the stopping criteria after it.
+
+    Returns:
+        The longer sequence, how many tokens it gained (tokens after a stop are dropped), and whether it stopped.
+    """
+    tokens = outcome.acceptance.tokens
+    # The step's tokens go to the device at once; stopping criteria still see them one at a time, as views.
+    extended = torch.cat([sequence, sequence.new_tensor([tokens])], dim=-1)
+    for index, scores in enumerate(outcome.scores):
+        sequence = extended[:, : extended.shape[1] - len(tokens) + index + 1]
+        recorder.add_token(outcome, index)
+        if bool(stopping_criteria(sequence, scores).any()):
+            return sequence, index + 1, True
+    return sequence, len(tokens), False

@@ -92,20 +92,34 @@ def validate_request(
     model_kwargs: dict[str, Any],
     synced_gpus: bool,
 ) -> Request:
-    """Checks a ``generate()`` call for SpecExec and strips a batch-of-one prompt's left padding.
+    """Checks a ``generate()`` call of one sequence for SpecExec and strips its prompt's left padding.
 
     Raises:
         ValueError: with what is wrong and what to do instead.
     """
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"validate_request checks one sequence, got a batch of {input_ids.shape[0]}: use validate_batch."
+        )
+    return validate_batch(model, input_ids, generation_config, model_kwargs, synced_gpus)[0]
+
+
+def validate_batch(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    synced_gpus: bool,
+) -> list[Request]:
+    """Checks a ``generate()`` call for SpecExec: one :class:`Request` per row of ``input_ids`` (``[batch, L]``),
+    each without its left padding.
+
+    Raises:
+        ValueError: with what is wrong (and which row) and what to do instead.
+    """
     # generate() has already expanded the batch for beams and return sequences: name those first.
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
         raise ValueError("SpecExec supports num_beams=1 and num_return_sequences=1 only.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"SpecExec generates one sequence at a time, got a batch of {input_ids.shape[0]}. Call generate() per "
-            "prompt; from a pipeline, pass batch_size=1 (its default), since batch_size > 1 batches its prompts "
-            "into one generate() call. Batched serving is what the vLLM integration is for."
-        )
     if synced_gpus:
         raise ValueError("SpecExec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
     cache = model_kwargs.get("past_key_values")
@@ -121,6 +135,34 @@ def validate_request(
             f"SpecExec does not pass {unknown} to the target's tree forward, so it cannot guarantee the target's own "
             "output with them; call generate() without them, or without speculator='specexec'."
         )
+    rows = input_ids.shape[0]
+    if rows == 1:
+        return [_row_request(model, input_ids, generation_config, model_kwargs)]
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and attention_mask.shape == input_ids.shape:
+        empty = (~attention_mask.bool().any(dim=-1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"Row {empty[0]} of the batch is all padding (its attention_mask is all zeros): SpecExec continues a "
+                "prompt. Drop the row, or give it at least one token (e.g. the BOS token)."
+            )
+    requests = []
+    for row in range(rows):
+        row_kwargs = {
+            name: value[row : row + 1] if isinstance(value, torch.Tensor) and value.shape[:1] == (rows,) else value
+            for name, value in model_kwargs.items()
+        }
+        try:
+            requests.append(_row_request(model, input_ids[row : row + 1], generation_config, row_kwargs))
+        except ValueError as error:
+            raise ValueError(f"Row {row} of the batch: {error}") from None
+    return requests
+
+
+def _row_request(
+    model: PreTrainedModel, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any]
+) -> Request:
+    """One row's :class:`Request` (``input_ids`` ``[1, L]``, ``model_kwargs`` that row's), checked."""
     attention_mask = model_kwargs.get("attention_mask")
     padding = _left_padding(attention_mask, input_ids.shape[1])
     prompt = input_ids[:, padding:]
@@ -229,14 +271,19 @@ def _check_every_query_sees_a_key(model: PreTrainedModel, attended: torch.Tensor
             )
 
 
-def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: int, budget: int) -> None:
-    """Refuses a ``budget`` whose target forward cannot hold its masks and attention scores in memory.
+def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: int, budget: int, rows: int = 1) -> None:
+    """Refuses a ``budget`` (or a batch of ``rows`` sequences) whose target forward cannot hold its masks and attention
+    scores in memory.
 
-    The first forward scores the whole prompt plus ``budget + 1`` tree nodes against as many keys; its bool and
-    float masks and one head's attention scores grow with the square of that, the rest linearly.
+    The first forward scores the whole prompt plus ``budget + 1`` tree nodes against as many keys, per row; its bool
+    and float masks and one head's attention scores grow with the square of that, the rest linearly.
+
+    Args:
+        prompt_length: The longest row's prompt (without left padding).
+        rows: Sequences scored in each forward.
 
     Raises:
-        ValueError: naming the memory needed, what is free and the largest budget that fits.
+        ValueError: naming the memory needed, what is free and the largest budget (or batch) that fits.
     """
     available = _free_bytes(execution_device(model))
     if available is None:
@@ -244,13 +291,20 @@ def check_budget_fits(model: PreTrainedModel, prompt_length: int, max_length: in
 
     width = model.config.get_text_config(decoder=True).hidden_size
 
-    def needed(nodes: int) -> int:
+    def needed(nodes: int, batch: int = 1) -> int:
         # The first forward feeds the prompt and the tree; later ones a few tokens and the tree, over a longer cache.
         pairs = max((prompt_length + nodes) ** 2, (1 + nodes) * (max_length + nodes))
-        return pairs * _PAIR_BYTES + (prompt_length + nodes) * (16 * width + 4 * logits_width(model))
+        return batch * (pairs * _PAIR_BYTES + (prompt_length + nodes) * (16 * width + 4 * logits_width(model)))
 
-    if needed(budget + 1) <= available:
+    if needed(budget + 1, rows) <= available:
         return
+    if rows > 1 and needed(budget + 1) <= available:
+        largest = available // needed(budget + 1)  # the cost grows linearly with the batch
+        raise ValueError(
+            f"A batch of {rows} at budget={budget} needs about {needed(budget + 1, rows) / 2**30:.1f} GiB for the "
+            f"target forward's masks and attention, more than the {available / 2**30:.1f} GiB free here; the largest "
+            f"batch that fits is about {largest}: pass fewer prompts per call (a pipeline's batch_size={largest})."
+        )
     low, high = 0, budget  # the largest budget that fits, by bisection
     while low < high:
         middle = (low + high + 1) // 2
