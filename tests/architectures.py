@@ -20,7 +20,6 @@ import functools
 import io
 import itertools
 import logging
-import os
 import re
 import signal
 import sys
@@ -366,13 +365,6 @@ def prompt_lengths(tiny: Tiny) -> list[int]:
     longest = max([v for v in tiny.windows.values() if v and v > 0], default=WINDOW)
     shortest = min([v for v in tiny.windows.values() if v and v > 0], default=WINDOW)
     return [min(SHORT_PROMPT, max(1, shortest - 1)), max(LONG_PROMPT, 2 * longest + 1)]
-
-
-def matrix_selected(pytest_config) -> bool:
-    """Whether a pytest run asked for full-matrix sweeps: ``-m architectures`` or ``SPECEXEC_ARCHITECTURES=1``."""
-    expression = pytest_config.getoption("markexpr", "") or ""
-    selected = "architectures" in expression and "not architectures" not in expression
-    return selected or os.environ.get("SPECEXEC_ARCHITECTURES") == "1"
 
 
 def _prompt(length: int, vocab: int, seed: int) -> torch.Tensor:

@@ -5,9 +5,9 @@ Every decoder-only causal LM class transformers registers is built tiny from its
 any window its config declares. The result must be ``exact`` or ``refused: <reason>``; a silent MISMATCH or a
 crash (any error other than ``UnsupportedModelError``) fails.
 
-A fast subset runs in CI. The full matrix is marked ``architectures`` and runs only when selected:
-``pytest -m architectures tests/test_architectures.py`` (or ``SPECEXEC_ARCHITECTURES=1``). Its table for the
-README: ``python tests/architectures.py --table architectures.md``.
+A fast subset runs in CI. The full matrix is marked ``architectures``, which the default run deselects:
+``pytest -m architectures tests/test_architectures.py`` runs it. Its table:
+``python tests/architectures.py --table docs/architectures.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from architectures import (
     build_tiny,
     causal_lm_model_types,
     classify,
-    matrix_selected,
     prompt_lengths,
     tiny_config,
 )
@@ -104,8 +103,6 @@ def test_matrix_lists_every_registered_causal_lm():
 
 @pytest.mark.architectures
 @pytest.mark.parametrize("model_type", causal_lm_model_types())
-def test_matrix(model_type, request):
+def test_matrix(model_type):
     """Every registered causal LM: exact, or refused with a reason. MISMATCH and crashes fail (no xfail here)."""
-    if not matrix_selected(request.config):
-        pytest.skip("full architecture matrix: run with -m architectures (or SPECEXEC_ARCHITECTURES=1)")
     assert_exact_or_refused(model_type, results_for(model_type))

@@ -15,7 +15,7 @@ them, and the greedy test's logits processors (``bad_words_ids``, ``repetition_p
 
 The models are the architecture matrix's tiny ones (``architectures.build_tiny``). A few run in the normal suite
 (full, sliding, hybrid and chunked attention, learned positions with token types); every registered causal LM that
-SpecExec does not refuse runs under ``-m architectures`` (or ``SPECEXEC_ARCHITECTURES=1``).
+SpecExec does not refuse runs under ``-m architectures`` (deselected by default).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import inspect
 
 import pytest
 import torch
-from architectures import Skip, build_tiny, causal_lm_model_types, matrix_selected
+from architectures import Skip, build_tiny, causal_lm_model_types
 from tolerances import assert_close_across_kernels, model_bound
 
 from specexec_hf.hf.compat import UnsupportedModelError, check_supported
@@ -173,10 +173,8 @@ def test_assisted_decoding_sample(model_type, style):
 
 @pytest.mark.architectures
 @pytest.mark.parametrize("model_type", causal_lm_model_types())
-def test_assisted_parity_matrix(model_type, request):
+def test_assisted_parity_matrix(model_type):
     """Every registered causal LM SpecExec does not refuse: both greedy checks and the sampling check, both masks."""
-    if not matrix_selected(request.config):
-        pytest.skip("full architecture sweep: run with -m architectures (or SPECEXEC_ARCHITECTURES=1)")
     try:
         for style in MASK_STYLES:
             for assistant in ("random", "same"):

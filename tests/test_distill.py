@@ -21,6 +21,8 @@ from specexec_hf.tools import distill
 from specexec_hf.tools.distill import export as export_stage
 from specexec_hf.tools.distill import generate, sources, train
 
+pytestmark = pytest.mark.slow  # whole distillation runs
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"

@@ -58,6 +58,7 @@ def test_short_run(name):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_short_run(vllm_env):
     args, expected = SHORT_RUNS["vllm_offline.py"]
     output = run_example("vllm_offline.py", *args)

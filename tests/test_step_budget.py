@@ -50,6 +50,7 @@ def test_the_agreeing_request_gets_the_nodes():
         share_budget([confident], -1)
 
 
+@pytest.mark.vllm
 def test_the_proposer_setting():
     pytest.importorskip("vllm")  # the integration raises a plain ImportError naming the install when vllm is absent
     import specexec_hf.integrations.vllm as vllm
