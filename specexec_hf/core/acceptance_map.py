@@ -129,16 +129,15 @@ class AcceptanceMap:
         prior = self.prior_curve(group)
         weights = self._prior_strength + self.trials[group]
         rates = ((self._prior_strength * prior + self.accepted[group]) / weights).tolist()
-        weights = weights.tolist()
         # Pool adjacent violators: merge neighbouring bins until the rates never fall.
-        blocks: list[list[float]] = []  # [rate, weight, bin count]
-        for rate, weight in zip(rates, weights):
-            blocks.append([rate, weight, 1])
+        blocks: list[tuple[float, float, int]] = []  # (rate, weight, bin count)
+        for rate, weight in zip(rates, weights.tolist()):
+            blocks.append((rate, weight, 1))
             while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                 rate2, weight2, count2 = blocks.pop()
                 rate1, weight1, count1 = blocks.pop()
                 total = weight1 + weight2
-                blocks.append([(rate1 * weight1 + rate2 * weight2) / total, total, count1 + count2])
+                blocks.append(((rate1 * weight1 + rate2 * weight2) / total, total, count1 + count2))
         return torch.tensor([rate for rate, _, count in blocks for _ in range(count)], dtype=torch.float64)
 
     def prior_curve(self, rank: int = 0) -> torch.Tensor:

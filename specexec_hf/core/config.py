@@ -108,6 +108,13 @@ class SpecExecConfig:
                 )
             object.__setattr__(self, "context_match_weights", tuple(float(w) for w in weights))
 
+    @property
+    def resolved_budget(self) -> int:
+        """``budget`` as a number: a tree search starts only once ``"auto"`` was resolved for its step."""
+        if isinstance(self.budget, int):
+            return self.budget
+        raise ValueError("SpecExecConfig.budget='auto' reached a tree search: resolve it to a number per step first.")
+
     def depth_limit(self, max_depth: int | None = None) -> int:
         """``max_depth``, tightened by a per-tree limit (e.g. the tokens still allowed, minus the bonus token)."""
         limits = [limit for limit in (self.max_depth, max_depth) if limit is not None]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -235,7 +235,7 @@ class BestFirstSearch:
         """
         search = cls(int(pool.tokens[0]), config, max_depth, pool.device)
         search.pool, search.expanded = pool, expanded.to(pool.device)
-        search.kept = rank_nodes(pool.logprobs)[: config.budget + 1]
+        search.kept = rank_nodes(pool.logprobs)[: config.resolved_budget + 1]
         search.forecast = float(pool.logprobs[search.kept[1:]].double().exp().sum())
         return search
 
@@ -249,7 +249,7 @@ class BestFirstSearch:
         self.prunes_children = False
 
     def _tree_is_full(self) -> bool:
-        return self.kept.numel() == self.config.budget + 1
+        return self.kept.numel() == self.config.resolved_budget + 1
 
     def next_nodes(self) -> torch.Tensor | None:
         """The best kept nodes that could still place a child inside the budget, or ``None`` when none can."""
@@ -294,7 +294,7 @@ class BestFirstSearch:
         # Adding nodes never reorders the old ones, so the new kept set comes from the old one and the new nodes.
         # Those follow the old kept set, in index order, and the stable sort breaks ties by index as rank_nodes does.
         contenders = torch.cat([self.kept, torch.arange(first_new, pool.num_nodes, device=pool.device)])
-        self.kept = contenders[rank_nodes(pool.logprobs[contenders])][: self.config.budget + 1]
+        self.kept = contenders[rank_nodes(pool.logprobs[contenders])][: self.config.resolved_budget + 1]
         if self.config.min_draft_gain > 0:
             forecast = float(pool.logprobs[self.kept[1:]].double().exp().sum())
             self.stalled = forecast - self.forecast < self.config.min_draft_gain * (1 + forecast)
@@ -338,7 +338,7 @@ def register_tree_policy(name: str, factory: Callable[..., SearchPolicy]) -> Non
     TREE_POLICIES[name] = factory
 
 
-def tree_policy(name: str, **options) -> SearchPolicy:
+def tree_policy(name: str, **options: Any) -> SearchPolicy:
     """The registered policy ``name``, built with ``options`` (e.g. ``tree_policy("sequoia", acceptance=[...])``).
 
     Args:

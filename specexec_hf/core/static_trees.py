@@ -131,7 +131,7 @@ class StaticTreeFill:
         device: DeviceLike = None,
     ):
         self.policy = policy
-        self.budget = config.budget
+        self.config = config
         self.depth_limit = config.depth_limit(max_depth)
         self.pool = TokenTree.from_root(root_token, device=device)
         self.forwards = 0
@@ -158,8 +158,8 @@ class StaticTreeFill:
             raise TypeError("A static tree takes each child by its draft rank: expand with the full log-probs.")
         pool = self.pool
         self.forwards += 1
-        if self.parents is None:
-            shape = self.policy.cached_shape(self.budget, self.depth_limit, logprobs.shape[-1])
+        if self.parents is None or self.ranks is None:  # both set together, once
+            shape = self.policy.cached_shape(self.config.resolved_budget, self.depth_limit, logprobs.shape[-1])
             self.parents = torch.tensor(shape.parents, dtype=torch.long, device=pool.device)
             self.ranks = torch.tensor(shape.ranks, dtype=torch.long, device=pool.device)
         parents, ranks = self.parents, self.ranks

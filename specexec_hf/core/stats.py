@@ -88,7 +88,8 @@ class SpecExecStats:
         ones plain greedy decoding in the same dtype produces (as far as :func:`~specexec_hf.core.precision.
         rounding_bound` holds; ``benchmarks/precision_flips.py`` checks it). From it on, the two may differ.
         """
-        positions, start = [], 0
+        positions: list[int] = []
+        start = 0
         for step in self.steps:
             positions.extend(start + index for index in step.near_tied if index < step.accepted)
             start += step.accepted

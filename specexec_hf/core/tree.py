@@ -8,6 +8,7 @@ indices in order visits parents before children.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,15 +30,14 @@ class TokenTree:
     logprobs: torch.Tensor
     # [parents, tokens, parents list, tokens list]: host copies of the lists' first nodes, valid while the tensors
     # are these objects (add_children, which only appends, carries them over).
-    _host: list | None = field(default=None, init=False, repr=False, compare=False)
+    _host: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_root(cls, token: int, device: torch.device | str | None = None) -> TokenTree:
-        long = dict(dtype=torch.long, device=device)
         return cls(
-            tokens=torch.tensor([token], **long),
-            parents=torch.tensor([-1], **long),
-            depths=torch.zeros(1, **long),
+            tokens=torch.tensor([token], dtype=torch.long, device=device),
+            parents=torch.tensor([-1], dtype=torch.long, device=device),
+            depths=torch.zeros(1, dtype=torch.long, device=device),
             logprobs=torch.zeros(1, dtype=torch.float32, device=device),
         )
 
@@ -52,13 +52,14 @@ class TokenTree:
     def add_children(self, parents: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Appends nodes under existing ``parents`` with cumulative ``logprobs``; returns their indices."""
         first = self.num_nodes
-        host_is_current = self._host is not None and self._host[0] is self.parents and self._host[1] is self.tokens
+        host = self._host
+        host_is_current = host is not None and host[0] is self.parents and host[1] is self.tokens
         self.tokens = torch.cat([self.tokens, tokens.to(self.tokens)])
         self.parents = torch.cat([self.parents, parents.to(self.parents)])
         self.depths = torch.cat([self.depths, self.depths[parents] + 1])
         self.logprobs = torch.cat([self.logprobs, logprobs.to(self.logprobs)])
-        if host_is_current:
-            self._host[:2] = self.parents, self.tokens
+        if host is not None and host_is_current:
+            host[:2] = self.parents, self.tokens
         return torch.arange(first, self.num_nodes, device=self.device)
 
     def select(self, keep: torch.Tensor) -> TokenTree:

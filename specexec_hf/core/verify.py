@@ -42,7 +42,8 @@ class Acceptance:
 def acceptance_walk(tree: TokenTree, choose: ChooseFn) -> Acceptance:
     child_of = tree.child_index()
     _, tree_tokens = tree.host_lists()
-    node, path = 0, []
+    node = 0
+    path: list[int] = []
     while True:
         token = choose(node)
         child = child_of.get((node, token))
