@@ -246,16 +246,17 @@ def test_sampling_with_drawn_children_grows_round_trees():
     assert stats.tokens_per_target_forward > 1
 
 
+@pytest.mark.parametrize("draft_graphs", ["off", "on"])
 @pytest.mark.parametrize("budget", [16, 64, 256])
-def test_host_reads_per_tree_do_not_grow_with_the_budget(budget):
+def test_host_reads_per_tree_do_not_grow_with_the_budget(budget, draft_graphs):
     """The drafter's whole tree, context guesses and acceptance ranking included: a constant per tree, the same at
-    every budget and however many draft forwards it took."""
+    every budget and however many draft forwards it took, and the same over the draft's static cache."""
     target = tiny_model("llama", seed=0, num_layers=1, dtype=torch.float32)
     draft = perturbed_copy(target, 0.05, seed=1)
     config = SpecExecConfig(budget=budget)
     generator = SpecExecCandidateGenerator(
         draft, config, search=RoundPolicy(rounds=6, extensions=0), context_match_weights=(0.3, 0.5),
-        acceptance_map=AcceptanceMap(),
+        acceptance_map=AcceptanceMap(), draft_graphs=draft_graphs,
     )
     history = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     reads = []

@@ -242,7 +242,9 @@ class StaticDraftCache(Cache):
         pattern = torch.zeros(width, self.capacity, dtype=torch.bool, device=self.device)
         pattern[:count, : length + count] = feed.visibility()
         padding = torch.arange(count, width, device=self.device)
-        pattern[padding, length + padding] = True  # a padding row sees its own slot: no empty softmax row
+        # A padding row sees its own slot: a row that sees nothing is NaN under some attention kernels, and a NaN
+        # value in a slot no real row sees would still reach them (0 * NaN) once written there.
+        pattern[padding, length + padding] = True
         buffers.mask.copy_(_attention_mask(self.model, pattern[None]))
         buffers.tokens.zero_()
         buffers.tokens[0, :count] = feed.tokens
