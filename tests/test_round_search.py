@@ -19,7 +19,10 @@ from specexec_hf.core.context_match import ContextIndex, mix_context_guesses
 from specexec_hf.core.device_context_match import DeviceContextMatch
 from specexec_hf.core.round_search import RoundPolicy, RoundSearch
 from specexec_hf.core.search import TREE_POLICIES, tree_policy
-from specexec_hf.hf.candidate_generator import SpecExecCandidateGenerator, _guesses_as_columns
+from specexec_hf.hf.candidate_generator import (
+    SpecExecCandidateGenerator,
+    _guesses_as_columns,
+)
 
 
 def tensor_expand(vocab: int, seed: int, sharpness: float):
