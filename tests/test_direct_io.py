@@ -7,7 +7,9 @@ import copy
 import errno
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from types import SimpleNamespace
@@ -89,7 +91,7 @@ def test_read_plans_fill_every_span_with_the_file_bytes(tmp_path_factory, spans,
         reader.read(plan_reads(span_list, request_blocks * BLOCK))
     finally:
         reader.close()
-    for (offset, count, stored, computed, start), span in zip(layout, span_list):
+    for (offset, count, stored, computed, _), span in zip(layout, span_list):
         expected = data[offset : offset + count * stored.itemsize].clone().view(stored).to(computed)
         assert torch.equal(span.target.view(torch.uint8), expected.view(torch.uint8))  # bits: random bytes hold NaNs
 
@@ -280,7 +282,9 @@ def test_a_disk_filling_up_while_offloading_raises_enospc_with_the_fix(tmp_path,
 
 @given(
     dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
-    stored=st.sampled_from(["checkpoint, same dtype", "checkpoint, converted", "checkpoint, bfloat16", "offload folder"]),
+    stored=st.sampled_from(
+        ["checkpoint, same dtype", "checkpoint, converted", "checkpoint, bfloat16", "offload folder"]
+    ),
     num_layers=st.integers(1, 4),
     vocab_size=st.sampled_from([64, 200, 1031]),
     prefetch=st.integers(1, 4),
@@ -386,17 +390,53 @@ def test_bfloat16_streamed_to_a_cpu_without_native_bfloat16_gets_the_float32_hin
     assert len(hints) == hinted
 
 
-def test_the_streamer_counts_how_long_the_disk_sat_idle_before_a_forward(tmp_path):
+def await_landing_records(streamer, monkeypatch) -> Callable[[], None]:
+    """A function that blocks until the streamer has recorded when each unit read ahead for its next forward landed.
+
+    The reader thread records a landing in a callback of the read's future, which may run just after
+    ``wait_idle()`` returns: the returned function waits for those records, on a condition the callback notifies.
+    """
+    recorded = threading.Condition()
+    record = streamer._landed
+
+    def record_and_notify(position: int, fill: Future) -> None:
+        record(position, fill)
+        with recorded:
+            recorded.notify_all()
+
+    monkeypatch.setattr(streamer, "_landed", record_and_notify)
+
+    def all_recorded() -> bool:
+        ahead = streamer._cycling[: streamer._prefetch]
+        slots = [streamer._slots[streamer._slot_of[position]] for position in ahead]
+        return bool(ahead) and all(
+            (entry := streamer._landed_at.get(position)) is not None and entry[0] is slot.filled
+            for position, slot in zip(ahead, slots)
+        )
+
+    def wait() -> None:
+        with recorded:
+            assert recorded.wait_for(all_recorded, timeout=60), "the read-ahead's landings were never recorded"
+
+    return wait
+
+
+def test_the_streamer_counts_how_long_the_disk_sat_idle_before_a_forward(tmp_path, monkeypatch):
     checkpoint(tmp_path, num_layers=6)
     model = load_offloaded(tmp_path, max_memory={"cpu": 0}, prefetch=2)
     streamer = layer_streamer(model)
+    # The streamer's clock, moved by the test alone: the idle time is the exact gap the test puts in.
+    clock = SimpleNamespace(seconds=1.0)
+    monkeypatch.setattr(stream_module, "time", SimpleNamespace(perf_counter=lambda: clock.seconds))
+    await_read_ahead = await_landing_records(streamer, monkeypatch)
     with torch.no_grad():
         model(ids())
         assert (streamer.forwards_begun, streamer.read_ahead_idle_seconds) == (1, 0.0)  # nothing was read ahead
         streamer.wait_idle()
-        time.sleep(0.05)
+        await_read_ahead()
+        clock.seconds += 0.5
         model(ids())
-        assert streamer.forwards_begun == 2 and streamer.read_ahead_idle_seconds >= 0.05
+        assert (streamer.forwards_begun, streamer.read_ahead_idle_seconds) == (2, 0.5)
         # A forward whose read-ahead has not all landed adds no idle time.
         idle, first = streamer.read_ahead_idle_seconds, streamer._slots[streamer._slot_of[0]]
         landed, first.filled = first.filled, Future()
