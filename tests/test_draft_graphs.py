@@ -55,8 +55,9 @@ def static_generate():
 def test_static_logits_equal_the_dynamic_caches_per_node(
     arch, attention, seed, prompt_length, budget, width, rounds, accepted
 ):
-    """Two draft caches, one static, fed the same trees in lockstep: every draft forward's logits per node agree (float32
-    rounding), over trees that keep accepted nodes, grow the capacity and feed histories both padded and wide."""
+    """Two draft caches, one static, fed the same trees in lockstep: every draft forward's logits per node agree
+    (float32 rounding), over trees that keep accepted nodes, grow the capacity and feed histories both padded and
+    wide."""
     draft = tiny_model(arch, seed=seed, dtype=torch.float32, attn_implementation=attention)
     config = SpecExecConfig(budget=budget, expand_per_forward=width, max_branch=3)
     policy = RoundPolicy(rounds) if rounds is not None else BestFirstPolicy()
@@ -69,7 +70,8 @@ def test_static_logits_equal_the_dynamic_caches_per_node(
             static.sync(history)
             search = policy.start(history[-1], config)
             while (nodes := search.next_nodes()) is not None:
-                expected, got = (forward_feeds(draft, [cache.feed(search.pool, nodes)])[0] for cache in (dynamic, static))
+                expected, got = (forward_feeds(draft, [cache.feed(search.pool, nodes)])[0]
+                                 for cache in (dynamic, static))
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
                 dynamic.record_feed(search.pool, nodes)
                 static.record_feed(search.pool, nodes)
