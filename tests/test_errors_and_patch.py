@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model, tiny_tokenizer
-from specexec_hf.patches import transformers_generate
 from transformers import GPT2Config, GPT2LMHeadModel, pipeline
 from transformers.generation.utils import GenerationMixin
 
@@ -13,6 +12,7 @@ import specexec_hf
 from specexec_hf import SpecExecConfig
 from specexec_hf.hf.compat import UnsupportedModelError
 from specexec_hf.hf.forward import Feed
+from specexec_hf.patches import transformers_generate
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 
@@ -34,7 +34,9 @@ def test_mismatched_tokenizers(llama_pair):
         specexec(target, draft, tokenizer=tiny_tokenizer(), assistant_tokenizer=tiny_tokenizer(63))
 
 
-@pytest.mark.parametrize("knob,value", [("budget", 0), ("max_depth", -1), ("max_branch", 1.5), ("expand_per_forward", 0)])
+@pytest.mark.parametrize(
+    "knob,value", [("budget", 0), ("max_depth", -1), ("max_branch", 1.5), ("expand_per_forward", 0)]
+)
 def test_invalid_knobs(llama_pair, knob, value):
     target, draft = llama_pair
     with pytest.raises(ValueError, match=f"SpecExecConfig.{knob} must be a positive integer"):
@@ -128,9 +130,8 @@ def test_weights_left_on_the_meta_device_are_refused_before_any_forward(llama_pa
     forwards = []
     hooks = [model.register_forward_pre_hook(lambda *_: forwards.append(1)) for model in (target, draft)]
     try:
-        with pytest.raises(
-            UnsupportedModelError, match=rf"The {role} model .* meta device that nothing loads \(e.g. model.embed_tokens"
-        ):
+        refused = rf"The {role} model .* meta device that nothing loads \(e.g. model.embed_tokens"
+        with pytest.raises(UnsupportedModelError, match=refused):
             specexec(target, draft)
     finally:
         for hook in hooks:

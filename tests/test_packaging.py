@@ -34,6 +34,9 @@ def test_wheel_builds_without_warnings_and_keeps_the_installed_layout(tmp_path):
     for expected in (
         "specexec_hf/patches/transformers_generate.py",
         "specexec_hf/integrations/vllm.py",
+        "specexec_hf/vllm/proposer.py",
+        "specexec_hf/vllm/seams.py",
+        "specexec_hf/patches/patch.py",
         "specexec_hf/models/data/smollm2_draft.json",
         "specexec_hf/tools/data/prompts_eval.jsonl",
     ):

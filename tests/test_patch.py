@@ -95,7 +95,8 @@ def test_another_release_line_is_refused_before_the_signature(version, monkeypat
         pass
 
     release = Release("fake_library", ">=1.4,<1.5", "fake_library==1.4.2", error=Refused)
-    with pytest.raises(Refused, match=rf"written for fake_library >=1\.4,<1\.5; found fake_library {version}\. Install"):
+    refused = rf"written for fake_library >=1\.4,<1\.5; found fake_library {version}\. Install"
+    with pytest.raises(Refused, match=refused):
         Patch(Base, "step", ("self", "changed"), doubling, release).apply()
     assert "step" in vars(Base) and Base.step(Base(), 2) == ("base", 2)
 

@@ -42,7 +42,8 @@ def test_the_cuda_kernel_gives_the_integers_of_quantos_cpu_kernel(rows, columns,
 
     quanto_unpack.apply()
     try:
-        packed = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        packed = torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=generator)
         on_cuda_key = torch.ops.quanto.unpack.default.redispatch(CUDA_KEY, packed, bits)
         assert on_cuda_key.dtype == torch.uint8
         assert torch.equal(on_cuda_key, torch.ops.quanto.unpack(packed, bits))

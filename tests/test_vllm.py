@@ -108,25 +108,37 @@ def self_draft_run(pair) -> EngineRun:
     return _run_engine(pair.target, _specexec_config(pair.target, draft_dtype="float32"))
 
 
-def test_missing_vllm_is_explained(monkeypatch):
+@pytest.mark.parametrize("module", ["specexec_hf.vllm", "specexec_hf.integrations.vllm"])
+def test_missing_vllm_is_explained(monkeypatch, module):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail as if it were not installed
-    monkeypatch.delitem(sys.modules, "specexec_hf.integrations.vllm", raising=False)
+    for name in [name for name in sys.modules if name.startswith(("specexec_hf.vllm", "specexec_hf.integrations."))]:
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match=r"needs vLLM: `pip install vllm==0\.33\.0`"):
-        importlib.import_module("specexec_hf.integrations.vllm")
+        importlib.import_module(module)
 
 
-def test_version_check(vllm_env):
-    from specexec_hf.integrations.vllm import check_vllm_version
+def test_one_version_range_for_every_part(vllm_env):
+    from specexec_hf.patches.patch import UnsupportedRelease
+    from specexec_hf.vllm.seams import check_vllm_version
 
     for version in ("0.32.0", "0.33.0", "0.33.2.dev5+gabc", "0.33.1+cpu"):
         check_vllm_version(version)
     for version in ("0.31.9", "0.34.0", "1.0.0"):
-        with pytest.raises(RuntimeError, match=rf"written for vLLM >=0\.32,<0\.34 .*found vLLM {version}"):
+        with pytest.raises(UnsupportedRelease, match=rf"written for vllm >=0\.32,<0\.34; found vllm {version}"):
             check_vllm_version(version)
 
 
+def test_the_old_import_path_names_the_same_proposer(vllm_env):
+    import specexec_hf.integrations.vllm as old
+    import specexec_hf.vllm as new
+
+    assert (old.SpecExecProposer, old.ProposerSettings, old.offload_plugin) == (
+        new.SpecExecProposer, new.ProposerSettings, new.offload_plugin,
+    )  # fmt: skip
+
+
 def test_settings_from_json_and_environment(vllm_env):
-    from specexec_hf.integrations.vllm import ProposerSettings
+    from specexec_hf.vllm import ProposerSettings
 
     environ = {"SPECEXEC_DRAFT_MODEL": "env-draft", "SPECEXEC_BUDGET": "8", "SPECEXEC_DRAFT_TEMPERATURE": "0.5",
                "SPECEXEC_CONTEXT_MATCH_WEIGHTS": "0.1, 0.6"}
@@ -178,7 +190,7 @@ def test_sampled_requests(baseline, noisy_draft_run):
 def test_vocabulary_mismatch_fails_engine_start(pair, capfd):
     from vllm import LLM
 
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (vLLM's own error only says the engine failed to start)
         LLM(model=str(pair.target), speculative_config=_specexec_config(pair.wrong_vocab_draft), **ENGINE_ARGS)
     logs = capfd.readouterr()  # the worker process logs the cause, which vLLM's own error only points to
     assert re.search(r"vocabulary \((\d+) logits\) does not match the vLLM target's \(\d+\)", logs.out + logs.err)

