@@ -12,6 +12,7 @@ from conftest import chi_square_p, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from test_host_syncs import HostReadCounter
+from test_round_search import knobs
 from test_sampling import PROMPT, VOCAB, exact_distribution, processors
 
 from specexec_hf import SpecExecConfig
@@ -82,18 +83,6 @@ def test_static_logits_equal_the_dynamic_caches_per_node(
             bonus = int(torch.randint(0, 64, (1,), generator=generator))
             history = history + tree.path_tokens(walked % tree.num_nodes).tolist() + [bonus]
         assert static.cache.get_seq_length() == dynamic.cache.get_seq_length()
-
-
-knobs = st.fixed_dictionaries(
-    {
-        "budget": st.integers(1, 30),
-        "max_depth": st.one_of(st.none(), st.integers(1, 8)),
-        "max_branch": st.integers(1, 5),
-        "expand_per_forward": st.integers(1, 10),
-        "acceptance_calibration": st.booleans(),
-        "context_match_weights": st.sampled_from([(), (0.3,)]),
-    }
-)
 
 
 @given(
