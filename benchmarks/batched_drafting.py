@@ -6,7 +6,7 @@ its own draft caches, as the vLLM proposer does), checks the two modes grew the 
 history by the tree's best chain (up to --accept tokens) and a bonus token, so the caches carry over like in real
 decoding. Writes benchmarks/results/batched_drafting/batched_drafting.{json,md}.
 
-Run: .venv/bin/python benchmarks/batched_drafting.py [--requests 1 2 4 8] [--budget 32] [--steps 8]
+Run: .venv/bin/python -m benchmarks.batched_drafting [--requests 1 2 4 8] [--budget 32] [--steps 8]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
                 flush=True,
             )
     report = {
-        "command": "benchmarks/batched_drafting.py "
+        "command": "python -m benchmarks.batched_drafting "
         + " ".join(f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()),
         "config": {"budget": args.budget, "max_depth": args.max_depth, "steps": args.steps, "accept": args.accept},
         "machine": {"platform": platform.platform(), "cpu_count": torch.get_num_threads(), "threads": args.threads},

@@ -14,7 +14,7 @@ falls on both:
 
 Writes benchmarks/results/draft_columns/draft_columns.{json,md} (``--out`` elsewhere).
 
-Run: .venv/bin/python benchmarks/draft_columns.py [--budgets 16 64 128] [--prompts 8] [--max-new-tokens 32]
+Run: .venv/bin/python -m benchmarks.draft_columns [--budgets 16 64 128] [--prompts 8] [--max-new-tokens 32]
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from specexec_hf.hf import candidate_generator
 from specexec_hf.tools.bench import alternating_generations, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
-from walk_head import generate_table, heading, milliseconds, parse_arguments, run_and_write
+
+from benchmarks.walk_head import generate_table, heading, milliseconds, parse_arguments, run_and_write
 
 RESULTS = Path(__file__).resolve().parent / "results" / "draft_columns"
 BRANCH = 8  # the default max_branch: children ranked per node

@@ -9,7 +9,7 @@ every row (only the tree changes); the script fails otherwise.
 Writes JSON and Markdown to --out: benchmarks/results/draft_temperature_ab/ by default; the context-matching A/B
 (--context-match) is kept in benchmarks/results/context_match_ab/.
 
-Run: .venv/bin/python benchmarks/draft_temperature.py [--prompts 16] [--temperatures 0.6 0.85 1.0] [--context-match]
+Run: .venv/bin/python -m benchmarks.draft_temperature [--prompts 16] [--temperatures 0.6 0.85 1.0] [--context-match]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
         shown = "" if value is True else " " + (" ".join(map(str, value)) if isinstance(value, list) else str(value))
         return f"--{key.replace('_', '-')}{shown}"
 
-    command = "benchmarks/draft_temperature.py " + " ".join(
+    command = "python -m benchmarks.draft_temperature " + " ".join(
         option(key, value) for key, value in vars(args).items() if key != "out" and value is not False
     )
     report = {"command": command, "rows": rows, "prompts": args.prompts, "skip": args.skip,

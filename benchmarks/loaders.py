@@ -16,10 +16,10 @@ range into a buffer it allocated, ``--repeats`` times per method, evicting the f
 - ``instanttensor``: ``safe_open`` (whole files, into buffers of its own).
 
 A library that is not installed or fails is recorded with its error. Run it in a throwaway environment with the
-libraries installed (``pip install torch==2.13.0 safetensors fastsafetensors instanttensor kvikio-cu12
-runai-model-streamer``); it loads ``direct_io.py`` by path, so it does not need the project's dependencies::
+libraries installed beside the project (``pip install -e . fastsafetensors instanttensor kvikio-cu12
+runai-model-streamer``: the pool is the project's own ``specexec_hf.offload.direct_io``), from the repository root::
 
-    /tmp/loaders-venv/bin/python benchmarks/loaders.py --folder /var/tmp/loaders-bench \
+    /tmp/loaders-venv/bin/python -m benchmarks.loaders --folder /var/tmp/loaders-bench \
         --out benchmarks/results/loaders
 
 Writes ``loaders.json`` and ``loaders.md`` to ``--out``.
@@ -29,13 +29,12 @@ default target's forward over one token, every weight on disk, read by direct re
 fallback (the file evicted before each forward, as for a model larger than RAM); it writes ``forward.json`` and
 ``forward.md``::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/loaders.py --forward --out benchmarks/results/loaders
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.loaders --forward --out benchmarks/results/loaders
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import mmap
 import os
@@ -50,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from memory_cap import cached_bytes, evict  # noqa: E402  (a sibling script: the standard library only)
+from specexec_hf.offload import direct_io
+
+from benchmarks.memory_cap import cached_bytes, evict
+
 
 READS_INTO = {
     "runai": "its own buffer, then copied",
@@ -61,18 +61,6 @@ READS_INTO = {
 }
 GiB = 2**30
 MiB = 2**20
-
-
-def load_direct_io():
-    path = HERE.parent / "specexec_hf" / "offload" / "direct_io.py"
-    spec = importlib.util.spec_from_file_location("direct_io", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["direct_io"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-direct_io = load_direct_io()
 
 
 def layer_tensors(hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
@@ -288,7 +276,7 @@ def measure_forward(args) -> None:
         results.append({"round": round_, "mode": "bound: DirectReader, whole file", **bound})
         print(json.dumps(results[-1]), flush=True)
         for mode in ("direct", "page cache"):
-            stream_module.WeightFile = partial(direct_io_module().WeightFile, direct=mode == "direct")
+            stream_module.WeightFile = partial(direct_io.WeightFile, direct=mode == "direct")
             model = load_offloaded(checkpoint, max_memory={"cpu": 0}, prefetch=args.prefetch)
             streamer = layer_streamer(model)
             times = []
@@ -313,7 +301,7 @@ def measure_forward(args) -> None:
             }
             results.append(result)
             print(json.dumps(result), flush=True)
-    stream_module.WeightFile = direct_io_module().WeightFile
+    stream_module.WeightFile = direct_io.WeightFile
     meta = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "checkpoint": str(checkpoint),
@@ -356,17 +344,10 @@ def disk_bound(path: Path, piece: int = 32 * MiB) -> dict:
     return {"median_ms": seconds * 1e3, "forwards_ms": [], "streamed_bytes": size, "gb_per_s": size / seconds / 1e9}
 
 
-def direct_io_module():
-    """The project's own ``direct_io`` (the one the executor imports), for ``--forward``."""
-    from specexec_hf.offload import direct_io as project_direct_io
-
-    return project_direct_io
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/loaders-bench"))
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "loaders")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "loaders")
     parser.add_argument("--layers", type=int, default=14)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)

@@ -10,7 +10,7 @@ forward, from the kernel's page cache once it has been read once (``disk_read`` 
 right after evicting the file and one cached read, to show what the disk itself would cost).
 Writes JSON and Markdown to benchmarks/results/offload_executors/. Not a test: the numbers depend on the machine
 and its load.
-Run: .venv/bin/python benchmarks/offload.py [--prompts 3] [--max-new-tokens 32] [--budgets 32 64]
+Run: .venv/bin/python -m benchmarks.offload [--prompts 3] [--max-new-tokens 32] [--budgets 32 64]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from specexec_hf.models import target_cache_dir
 from specexec_hf.offload import load_offloaded
 from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-from memory_cap import evict  # a sibling script (benchmarks/ runs from its own folder)
+from benchmarks.memory_cap import evict
+from benchmarks.timing import median_forward_seconds, timed_generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_executors"
 EXECUTORS = ("accelerate", "stream")
@@ -94,20 +95,6 @@ def disk_read_seconds(path: Path) -> dict[str, float]:
         os.close(descriptor)
 
 
-def forward_seconds(model, tokens: int, repeats: int, logits: int | None = None) -> float:
-    """Median wall time of one forward over ``tokens`` fresh tokens, with logits for the last ``logits`` of them
-    (``None``: all)."""
-    ids = torch.randint(100, 10_000, (1, tokens), generator=torch.Generator().manual_seed(tokens))
-    times = []
-    with torch.no_grad():
-        model(input_ids=ids[:, :1], use_cache=False)  # warm-up
-        for _ in range(repeats):
-            started = time.perf_counter()
-            model(input_ids=ids, logits_to_keep=tokens if logits is None else logits, use_cache=False)
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def specexec_knobs(args) -> dict[str, int | None]:
     """The SpecExec knobs set on the command line (``None``: the library's default)."""
     return {"expand_per_forward": args.expand_per_forward, "max_draft_forwards": args.max_draft_forwards}
@@ -122,19 +109,13 @@ def methods(draft, args) -> dict[str, dict]:
     return compared
 
 
-def timed_generate(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict:
-    """One greedy ``generate()``: new tokens, seconds and SpecExec statistics, or the error of a failing method."""
-    stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
-    extra = {"specexec_stats": stats} if stats else {}
-    started = time.perf_counter()
+def generation_or_error(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict:
+    """:func:`~benchmarks.timing.timed_generate`'s row, or the error of a failing method (recorded: transformers'
+    assisted generation fails on an all-meta accelerate model)."""
     try:
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs, **extra)
-    except Exception as error:  # recorded: transformers' assisted generation fails on an all-meta accelerate model
+        return timed_generate(model, inputs, max_new_tokens, **kwargs)
+    except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"}
-    result = {"tokens": output[0, inputs["input_ids"].shape[1] :].tolist(), "seconds": time.perf_counter() - started}
-    if stats:
-        result.update(tokens_per_target_forward=stats.tokens_per_target_forward, draft_seconds=stats.draft_seconds)
-    return result
 
 
 def generation_rows(models: dict, draft, tokenizer, args) -> list[dict]:
@@ -142,17 +123,17 @@ def generation_rows(models: dict, draft, tokenizer, args) -> list[dict]:
     reference, _ = specexec_hf.load_default_target()
     compared = methods(draft, args)
     prompts = [chat_inputs(tokenizer, prompt) for prompt in load_prompts("eval")[: args.prompts]]
-    timed_generate(reference, prompts[0], 4, {})  # warm-ups: lazy initialisations, first-touch page faults
+    timed_generate(reference, prompts[0], 4)  # warm-ups: lazy initialisations, first-touch page faults
     for model in models.values():
         for kwargs in compared.values():
-            timed_generate(model, prompts[0], 4, kwargs)
+            generation_or_error(model, prompts[0], 4, kwargs)
     rows = []
     for index, inputs in enumerate(prompts):
-        in_memory = timed_generate(reference, inputs, args.max_new_tokens, {})
+        in_memory = timed_generate(reference, inputs, args.max_new_tokens)
         rows.append({**in_memory, "prompt": index, "executor": "in memory", "method": "plain generate"})
         for executor, model in models.items():
             for method, kwargs in compared.items():
-                row = {**timed_generate(model, inputs, args.max_new_tokens, kwargs), "prompt": index}
+                row = {**generation_or_error(model, inputs, args.max_new_tokens, kwargs), "prompt": index}
                 row.update(executor=executor, method=method)
                 if "tokens" in row:
                     row["matches_in_memory_greedy"] = row["tokens"] == in_memory["tokens"]
@@ -285,7 +266,8 @@ def main() -> None:
     }
     forward = {}
     for tokens in args.token_counts:
-        forward[str(tokens)] = {name: forward_seconds(model, tokens, args.repeats) for name, model in models.items()}
+        forward[str(tokens)] = {name: median_forward_seconds(model, tokens, args.repeats)
+                                for name, model in models.items()}
         print(f"forward over {tokens:>5} tokens: {forward[str(tokens)]}", flush=True)
     rows = generation_rows(models, draft, tokenizer, args)
     generation = summarize(rows)

@@ -19,7 +19,7 @@ the shipped draft, cast to the dtype), ``tiny`` (the synthetic random pair of ``
 End-of-sequence tokens neither stop nor are masked (as vLLM's ``ignore_eos``), so every output is ``--max-tokens``
 long.
 
-    OMP_NUM_THREADS=1 python benchmarks/precision_flips.py --output-dir benchmarks/results/precision_flips
+    OMP_NUM_THREADS=1 python -m benchmarks.precision_flips --output-dir benchmarks/results/precision_flips
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from synthetic_models import make_tiny_pair
-from vllm_acceptance import PROMPTS, run_method
+
+from benchmarks.synthetic_models import make_tiny_pair
+from benchmarks.vllm_acceptance import PROMPTS, run_method
 
 HF_PATHS = ("specexec", "specexec_self", "assisted")
 VLLM_PATHS = {"vllm_draft_model": "draft_model", "vllm_tree": "specexec_tree"}
@@ -297,7 +298,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], started: float) 
     import transformers
 
     report = {
-        "command": " ".join(["benchmarks/precision_flips.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.precision_flips", *sys.argv[1:]]),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "vllm": _vllm_version(),

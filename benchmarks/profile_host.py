@@ -9,7 +9,7 @@ device times, and the host phases are what the host adds when it cannot run ahea
 would leave). ``--sync-sites`` also runs one pass under ``torch.cuda.set_sync_debug_mode("warn")`` and counts the
 host-device synchronisations per step by the Python line that caused them: the host round trips of the hot loop.
 
-Run: .venv/bin/python benchmarks/profile_host.py [--budget 256] [--prompts 2] [--max-new-tokens 32] [--device cuda]
+Run: .venv/bin/python -m benchmarks.profile_host [--budget 256] [--prompts 2] [--max-new-tokens 32] [--device cuda]
      [--sync-sites]
 """
 

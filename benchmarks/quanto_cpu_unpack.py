@@ -8,7 +8,7 @@ with quanto's own unpack (where the shape has at most ``--quanto-max-elements`` 
 ``in**2 * out`` multiply-adds), with the patch the first time (its layout learnt) and again. The integers are
 compared wherever both ran. Writes ``quanto_cpu_unpack.json`` and ``.md`` under ``--out``.
 
-    .venv/bin/python benchmarks/quanto_cpu_unpack.py --out benchmarks/results/quanto_cpu_unpack
+    .venv/bin/python -m benchmarks.quanto_cpu_unpack --out benchmarks/results/quanto_cpu_unpack
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(int(side) for side in shape.split("x")) for shape in args.shapes]
     report = {
-        "command": "benchmarks/quanto_cpu_unpack.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.quanto_cpu_unpack " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
                    f"{torch.get_num_threads()} thread(s)",
         "rows": [],

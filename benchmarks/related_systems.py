@@ -32,7 +32,7 @@ their distribution is the property tests' (``tests/test_sampling.py``, ``tests/t
 Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every method small (one
 prompt, a few tokens) as a smoke check, without root. ``--context-tokens N`` puts each prompt after a document of N+
 tokens, for long-prompt runs (see ``results/related_systems/README.md``).
-Run (root): flock /tmp/bench.lock .venv/bin/python benchmarks/related_systems.py
+Run (root): flock /tmp/bench.lock .venv/bin/python -m benchmarks.related_systems
 """
 
 from __future__ import annotations
@@ -41,16 +41,21 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_cap import MemoryCap, evict  # noqa: E402  (sibling scripts, not a package)
-from ssd import (  # noqa: E402
+import specexec_hf
+from specexec_hf.hf.hierarchy import HIERARCHY_DRAFT_FACTOR
+from specexec_hf.hf.learnt_state import LearntState
+from specexec_hf.models import resolve_draft, target_cache_dir
+from specexec_hf.offload import layer_streamer
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
+
+from benchmarks.memory_cap import MemoryCap, evict
+from benchmarks.ssd import (
     CACHE_FRACTION,
     DEFAULT_PREFETCH,
     cap_figures,
@@ -58,15 +63,8 @@ from ssd import (  # noqa: E402
     prefetch_value,
     streamed_target,
     summarize,
-    timed,
 )
-
-import specexec_hf  # noqa: E402
-from specexec_hf.hf.hierarchy import HIERARCHY_DRAFT_FACTOR  # noqa: E402
-from specexec_hf.hf.learnt_state import LearntState  # noqa: E402
-from specexec_hf.models import resolve_draft, target_cache_dir  # noqa: E402
-from specexec_hf.offload import layer_streamer  # noqa: E402
-from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
+from benchmarks.timing import timed_generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "related_systems"
 PLAIN = "plain generate"
@@ -204,7 +202,8 @@ def measure(args, cap: MemoryCap | None, report: dict[str, Any]) -> dict[str, An
                 for label, kwargs in compared.items():
                     torch.manual_seed(args.seed + index)
                     row = {"prompt": index, "mode": mode, "method": label,
-                           **timed(model, inputs, args.max_new_tokens, {**kwargs, **sampling, **states[label, mode]})}
+                           **timed_generate(model, inputs, args.max_new_tokens,
+                                            **kwargs, **sampling, **states[label, mode])}
                     if sampling:
                         row["equals_plain_greedy"] = None  # a draw: its distribution is the property tests'
                     else:

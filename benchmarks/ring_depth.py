@@ -12,7 +12,7 @@ another, two runs of the same depth differed by 30%.
 Goal: SpecExec with the default depth within 10% of the best hand-set depth (tokens/s), every output identical to
 the first run's plain greedy output.
 
-Run (root): flock /tmp/bench.lock .venv/bin/python benchmarks/ring_depth.py   (about 15 minutes on 2 cores)
+Run (root): flock /tmp/bench.lock .venv/bin/python -m benchmarks.ring_depth   (about 15 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -20,18 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ssd  # noqa: E402  (sibling scripts, not a package)
-from figure_checks import positive  # noqa: E402
-from memory_cap import evict  # noqa: E402
-from offload import load_draft  # noqa: E402
+from specexec_hf.models import target_cache_dir
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-from specexec_hf.models import target_cache_dir  # noqa: E402
-from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
+from benchmarks import ssd
+from benchmarks.figure_checks import positive
+from benchmarks.memory_cap import evict
+from benchmarks.offload import load_draft
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring_depth"
 DEFAULT = "default"

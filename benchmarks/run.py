@@ -1,6 +1,6 @@
 """The benchmark grid of ``specexec-hf bench``, runnable from a checkout.
 
-Run: .venv/bin/python benchmarks/run.py [--prompts 8] [--max-new-tokens 64] [--budgets 16 32 ...] [--help]
+Run: .venv/bin/python -m benchmarks.run [--prompts 8] [--max-new-tokens 64] [--budgets 16 32 ...] [--help]
 """
 
 import sys

@@ -11,7 +11,7 @@ CPU kernels dequantize on every forward, and tokens per target forward do not de
 time per step is the twin's; its forward time ratio is the quantized model's own.
 
 Writes JSON and Markdown to benchmarks/results/self_drafts/.
-Run: flock /tmp/bench.lock .venv/bin/python benchmarks/self_drafts.py [--prompts 4] [--max-new-tokens 32]
+Run: flock /tmp/bench.lock .venv/bin/python -m benchmarks.self_drafts [--prompts 4] [--max-new-tokens 32]
 ``--drafts`` takes self-draft names, ``default`` (the shipped draft) and ``tuned:PATH`` (a tuned exit written by
 ``specexec-hf distill --stage exit``).
 """
@@ -30,7 +30,8 @@ import transformers
 import specexec_hf
 from specexec_hf.tools.bench import greedy_continuations, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
-from tokens_per_forward import dequantized_twin, forward_cost, top1_agreement
+
+from benchmarks.tokens_per_forward import dequantized_twin, forward_cost, top1_agreement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "self_drafts"
 DEFAULT_DRAFTS = ["self:exit:4", "self:exit:8", "self:exit:15", "self:skip:5-28", "self:skip", "default", "self:int4"]
@@ -130,7 +131,7 @@ def main() -> None:
                                 do_sample=False)[0, p.shape[1]:].tolist() for p in prompts]
     timed = torch.cat([sequence for sequence, _ in continuations] * 4)[None, :128]
     report = {
-        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python benchmarks/self_drafts.py", *sys.argv[1:]]),
+        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python -m benchmarks.self_drafts", *sys.argv[1:]]),
         "machine": platform.platform(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "prompts": texts, "agreement_prompts": len(held_out), "max_new_tokens": args.max_new_tokens,

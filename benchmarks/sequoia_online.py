@@ -10,7 +10,7 @@ profile (Sequoia's hardware-aware size and depth), where tokens/s is the figure 
 Greedy outputs are checked against plain generate(). Writes JSON and Markdown to
 benchmarks/results/sequoia_online/.
 
-Run: flock /tmp/bench.lock .venv/bin/python benchmarks/sequoia_online.py [--prompts 4] [--max-new-tokens 48]
+Run: flock /tmp/bench.lock .venv/bin/python -m benchmarks.sequoia_online [--prompts 4] [--max-new-tokens 48]
 """
 
 from __future__ import annotations

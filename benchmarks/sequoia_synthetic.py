@@ -18,7 +18,7 @@ walk the policy observes (so Sequoia online learns its vector); reported: mean t
 tokens plus the bonus token, i.e. tokens per target forward). Writes JSON and Markdown to
 benchmarks/results/sequoia_online/.
 
-Run: .venv/bin/python benchmarks/sequoia_synthetic.py [--trees 1000]
+Run: .venv/bin/python -m benchmarks.sequoia_synthetic [--trees 1000]
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
 
 Not a test: the figures depend on the disk, the CPU and the load. ``--quick --no-cap`` runs every section small
 (a tiny shape, one prompt, a few tokens) as a smoke check, without root.
-Run (root): .venv/bin/python benchmarks/ssd.py   (about 45 minutes on the 2-core development machine)
+Run (root): .venv/bin/python -m benchmarks.ssd   (about 45 minutes on the 2-core development machine)
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import argparse
 import copy
 import ctypes
 import gc
-import json
 import math
 import os
 import platform
@@ -55,23 +54,23 @@ from typing import Any
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_offload import LlamaShape, interpolate  # noqa: E402  (sibling scripts, not a package)
-from loaders import disk_bound  # noqa: E402
-from memory_cap import MemoryCap, evict  # noqa: E402
-from offload import disk_read_seconds, forward_seconds, load_draft  # noqa: E402
+import specexec_hf
+from specexec_hf.hf.learnt_state import learnt_state_of
+from specexec_hf.models import int8_draft, native_bfloat16_cpu, target_cache_dir
+from specexec_hf.offload import layer_streamer, load_offloaded
+from specexec_hf.offload.direct_io import BLOCK
+from specexec_hf.offload.layout import auto_prefetch
+from specexec_hf.offload.stream import AUTO_RING_SHARE
+from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
-import specexec_hf  # noqa: E402
-from specexec_hf.hf.learnt_state import learnt_state_of  # noqa: E402
-from specexec_hf.models import int8_draft, native_bfloat16_cpu, target_cache_dir  # noqa: E402
-from specexec_hf.offload import layer_streamer, load_offloaded  # noqa: E402
-from specexec_hf.offload.direct_io import BLOCK  # noqa: E402
-from specexec_hf.offload.layout import auto_prefetch  # noqa: E402
-from specexec_hf.offload.stream import AUTO_RING_SHARE  # noqa: E402
-from specexec_hf.tools.prompts import chat_inputs, load_prompts  # noqa: E402
+from benchmarks.loaders import disk_bound
+from benchmarks.memory_cap import MemoryCap, evict
+from benchmarks.offload import disk_read_seconds, load_draft
+from benchmarks.report import Goal, write_report
+from benchmarks.shapes import GB, LlamaShape, interpolate, random_pool, write_random_checkpoint
+from benchmarks.timing import median_forward_seconds, timed_generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ssd"
-GB = 1e9
 FLAT = 1.3  # a forward within this factor of the 1-token forward counts as flat
 DEFAULT_TARGET = "SmolLM2-135M (default target)"
 
@@ -101,12 +100,7 @@ END_TO_END_PREFETCH = 14
 DTYPES = {"bf16": torch.bfloat16, "bf16-f32": torch.float32, "int4": None}
 
 
-# Random-weight checkpoints, written without holding the model in memory ------------------------------------------
-
-
-def random_pool(dtype: torch.dtype) -> torch.Tensor:
-    """Random values (std 0.02) written over and over: a prime length, so no two tensors repeat in step."""
-    return (torch.randn(4_194_301, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+# Scratch files and disk space -------------------------------------------------------------------------------------
 
 
 def write_scratch_file(path: Path, size: int) -> Path:
@@ -131,47 +125,6 @@ def ensure_disk_space(directory: Path, needed: int) -> None:
         raise SystemExit(f"The random-weight shapes need {needed / GB:.1f} GB in {directory}, which has "
                          f"{free / GB:.1f} GB free (1 GB kept as slack): pass fewer --shapes, or --shape-dir on a "
                          "larger disk.")
-
-
-def write_random_checkpoint(shape: LlamaShape, dtype: torch.dtype, directory: Path) -> Path:
-    """A safetensors checkpoint of ``shape`` with random weights (std 0.02; norms at 1), one tensor in memory at a
-    time, so that a shape bigger than the memory cap can be written under it. Reused when already there."""
-    directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / "model.safetensors"
-    config = shape.config()
-    config.torch_dtype = dtype
-    if weights.is_file() and (directory / "config.json").is_file():
-        return directory
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(config).to(dtype)
-    names = {name: tensor for name, tensor in skeleton.state_dict().items() if not name.endswith("rotary_emb.inv_freq")}
-    if shape.tied:
-        names.pop("lm_head.weight", None)
-    header, offset = {}, 0
-    dtype_name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
-    for name, tensor in names.items():
-        header[name] = {"dtype": dtype_name, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    pool = random_pool(dtype)
-    partial = weights.with_suffix(".partial")
-    with open(partial, "wb") as handle:
-        handle.write(len(encoded).to_bytes(8, "little") + encoded)
-        for name, tensor in names.items():
-            if tensor.dim() == 1:
-                handle.write(torch.ones(tensor.shape, dtype=dtype).view(torch.uint8).numpy().tobytes())
-                continue
-            left = tensor.numel()
-            while left:
-                chunk = pool[: min(left, pool.numel())]
-                handle.write(chunk.view(torch.uint8).numpy().tobytes())
-                left -= chunk.numel()
-    partial.rename(weights)
-    config.save_pretrained(directory)
-    evict(weights)  # its dirty pages would be charged to this process's group and inflate the next cap
-    return directory
 
 
 # Sections --------------------------------------------------------------------------------------------------------
@@ -298,7 +251,7 @@ def measured_curve(model, entry: dict[str, Any], stored_on: Path, token_counts: 
         # Logits for the last token only, as a SpecExec tree forward computes the LM head for the few nodes its
         # walk visits (hf.forward.NodeLogits); all 256 tokens' logits would also need 100 MB under the cap.
         before = device_reads() if device_reads and tokens == 1 else None
-        seconds[str(tokens)] = forward_seconds(model, tokens, repeats, logits=1)
+        seconds[str(tokens)] = median_forward_seconds(model, tokens, repeats, logits=1)
         if before:
             requests, nbytes = (after - earlier for after, earlier in zip(device_reads(), before))
             entry["disk_requests_per_forward"] = requests / (repeats + 1)  # forward_seconds's warm-up read too
@@ -383,27 +336,6 @@ def int8_copy(draft):
     return int8_draft(copy.deepcopy(draft, memo=shared))
 
 
-def timed(model, inputs: dict, max_new_tokens: int, kwargs: dict) -> dict[str, Any]:
-    """One ``generate()``, greedy unless ``kwargs`` say ``do_sample=True``: its tokens, seconds, target forwards (calls
-    of the decoder stack, which every method's target forward runs once) and SpecExec's draft seconds."""
-    stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
-    forwards = [0]
-    hook = model.get_decoder().register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    try:
-        started = time.perf_counter()
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, **{"do_sample": False, **kwargs},
-                                **({"specexec_stats": stats} if stats else {}))
-        seconds = time.perf_counter() - started
-    finally:
-        hook.remove()
-    row: dict[str, Any] = {"seconds": seconds, "tokens": output[0, inputs["input_ids"].shape[1]:].tolist(),
-                           "target_forwards": forwards[0]}
-    if stats is not None:
-        row["draft_seconds"], row["verify_seconds"] = stats.draft_seconds, stats.target_seconds
-        row["tree_sizes"] = [step.tree_size for step in stats.steps]
-    return row
-
-
 def end_to_end(args, cap: MemoryCap | None) -> dict[str, Any]:
     """The default pair, target streamed from disk under the cap: every method on the same prompts."""
     draft, tokenizer = load_draft("distilled")
@@ -458,7 +390,7 @@ def measure_capped(model, cap: MemoryCap | None, capped_entry: dict[str, Any], e
     for index, inputs in enumerate(prompts):
         reference = None
         for method, kwargs in compared.items():
-            row = {"prompt": index, "method": method + label, **timed(model, inputs, max_new_tokens, kwargs)}
+            row = {"prompt": index, "method": method + label, **timed_generate(model, inputs, max_new_tokens, **kwargs)}
             reference = reference or row["tokens"]
             row["equals_plain_greedy"] = row["tokens"] == reference
             rows.append(row)
@@ -491,45 +423,66 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     return summary
 
 
-def forward_goals(curves: list[dict[str, Any]]) -> dict[str, float]:
+def forward_goals(curves: list[dict[str, Any]]) -> list[Goal]:
     """The issue's forward goals, from the forward rows: the 1-token forward's share of the bound, the flat region,
     the 64/1 ratio, and the largest weights-over-cap ratio a shape ran with (its peak named, within the cap or
     not)."""
     measured = [curve for curve in curves if "seconds" in curve]
-    result: dict[str, float] = {}
+    result: list[Goal] = []
     larger = SHAPES["smollm2-1.7b"].name
     for curve in (curve for curve in measured if curve["shape"] in (DEFAULT_TARGET, larger)):
-        # The 1.7B shape is measured in each dtype asked (bf16, and bf16 computed in float32): a line per dtype.
-        name = curve["shape"] if curve["shape"] == DEFAULT_TARGET else f"{curve['shape']} {curve['dtype']}"
+        # The 1.7B shape is measured in each dtype asked (bf16, and bf16 computed in float32): a goal per dtype.
+        default = curve["shape"] == DEFAULT_TARGET
+        name = curve["shape"] if default else f"{curve['shape']} {curve['dtype']}"
+        key = "default_target" if default else f"larger_{curve['dtype']}"
         share = curve.get("share_of_bound", {}).get("1")
         if share is not None:
-            result[f"{name}: 1-token forward's share of the bound (goal >= 0.85)"] = share
-        if curve["shape"] == larger and curve.get("flat_tokens") is not None:
-            result[f"{name}: flat up to tokens (goal >= 32)"] = curve["flat_tokens"]
+            result.append(Goal(f"{key}_one_token_share_of_bound", f"{name}: 1-token forward's share of the bound",
+                               share, 0.85))
+        if not default and curve.get("flat_tokens") is not None:
+            result.append(Goal(f"{key}_flat_tokens", f"{name}: flat up to tokens", curve["flat_tokens"], 32))
         ratio = curve.get("over_one_token", {}).get("64")
-        if curve["shape"] == DEFAULT_TARGET and ratio is not None:
-            result[f"{name}: 64-token forward / 1-token forward (goal <= 1.5)"] = ratio
+        if default and ratio is not None:
+            result.append(Goal(f"{key}_64_over_1", f"{name}: 64-token forward / 1-token forward", ratio, 1.5,
+                               at_least=False))
     capped_rows = [curve for curve in measured if curve.get("capped") and "peak_bytes" in curve]
     if capped_rows:
         largest = max(capped_rows, key=lambda curve: curve["weights_over_limit"])
         within = "within" if largest["within_limit"] else "OVER"
-        name = (f"{largest['shape']} {largest['dtype']}: weights over the cap, peak {largest['peak_bytes'] / 1e6:.0f} "
-                f"MB {within} the {largest['limit_bytes'] / 1e6:.0f} MB cap (goal >= 2, within)")
-        result[name] = largest["weights_over_limit"]
+        claim = (f"{largest['shape']} {largest['dtype']}: weights over the cap, peak {largest['peak_bytes'] / 1e6:.0f} "
+                 f"MB {within} the {largest['limit_bytes'] / 1e6:.0f} MB cap (and within it)")
+        result.append(Goal("weights_over_cap", claim, largest["weights_over_limit"], 2))
     return result
 
 
-def goals(report: dict[str, Any]) -> dict[str, float]:
+def goals(report: dict[str, Any]) -> list[Goal]:
     """The issue's goals: the forward section's, then the end-to-end ratios and its peak memory over its cap."""
     result = forward_goals(report.get("forward", []))
     e2e = report.get("end_to_end") or {}
     if e2e.get("peak_bytes"):
-        result["end to end: peak memory (process plus page cache) / the cap (goal <= 1)"] = (
-            e2e["peak_bytes"] / e2e["limit_bytes"])
+        result.append(Goal("peak_over_cap", "end to end: peak memory (process plus page cache) / the cap",
+                           e2e["peak_bytes"] / e2e["limit_bytes"], 1, at_least=False))
     speed = {name: entry["tokens_per_second"] for name, entry in e2e.get("methods", {}).items()}
     fixed = {name: value for name, value in speed.items() if name.startswith("SpecExec budget") and "auto" not in name}
     if not fixed:
         return result
+    best_name = max(fixed, key=fixed.get)
+    best = fixed[best_name]
+    if "plain generate" in speed:
+        result.append(Goal("specexec_vs_plain", f"{best_name} vs plain generate", best / speed["plain generate"], 2.5))
+    assisted = {name: value for name, value in speed.items() if name.startswith("HF assisted")}
+    if assisted:
+        result.append(Goal("specexec_vs_assisted", f"{best_name} vs the best HF assisted",
+                           best / max(assisted.values()), 1.4))
+    if "SpecExec budget auto" in speed:
+        result.append(Goal("auto_vs_best_budget", "SpecExec auto vs the best fixed budget",
+                           speed["SpecExec budget auto"] / best, 0.95))
+    per_forward = e2e["methods"][best_name].get("tokens_per_target_forward")
+    if per_forward and "plain generate" in speed:
+        result.append(Goal("speedup_over_tokens_per_forward",
+                           f"{best_name}: wall-clock speedup / tokens per target forward",
+                           best / speed["plain generate"] / per_forward, 0.8))
+    return result
     best_name = max(fixed, key=fixed.get)
     best = fixed[best_name]
     if "plain generate" in speed:
@@ -643,7 +596,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"`budget=\"auto\"` at the end: chose {auto['choice']}; modelled tokens/s by budget: {rates}.",
                       ""]
     if report.get("goals"):
-        lines += ["## Goals", ""] + [f"- {name}: {value:.2f}" for name, value in report["goals"].items()] + [""]
+        lines += ["## Goals", ""] + [Goal.from_json(goal).line() for goal in report["goals"]] + [""]
     if report.get("projections"):
         lines += ["## Projected tokens/s for larger shapes (measured forward curve + the real pair's steps)", ""]
         for projection in report["projections"]:
@@ -678,9 +631,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def save(report: dict[str, Any], out: Path) -> None:
     """Writes every file the report has so far (after each section)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ssd.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "ssd.md").write_text(markdown(report))
+    write_report(out, "ssd", report, markdown(report))
     if any("seconds" in curve for curve in report.get("forward", [])):
         plot(report, out / "ssd.png")
 
@@ -853,10 +804,10 @@ def main(argv: list[str] | None = None) -> int:
                     report["forward"].append(curve)
                 for path in (folder, checkpoint) if not args.keep_shapes else ():
                     shutil.rmtree(path, ignore_errors=True)
-        report["goals"] = goals(report)
+        report["goals"] = [goal.as_json() for goal in goals(report)]
         if "end_to_end" in args.sections:
             report["end_to_end"] = run_section(report, "end to end", args.out, lambda: end_to_end(args, cap))
-            report["goals"] = goals(report)
+            report["goals"] = [goal.as_json() for goal in goals(report)]
             if report["end_to_end"]:
                 report["projections"] = [project(curve, report["end_to_end"]) for curve in report["forward"]
                                          if "seconds" in curve and curve["shape"] != DEFAULT_TARGET]

@@ -22,7 +22,7 @@ twin's top-1 agreement with the quantized model is reported).
 
 Greedy outputs are checked against plain generate(). Writes JSON, Markdown and a PNG plot to
 benchmarks/results/tokens_per_forward/.
-Run: .venv/bin/python benchmarks/tokens_per_forward.py [--prompts 2] [--max-new-tokens 48]
+Run: .venv/bin/python -m benchmarks.tokens_per_forward [--prompts 2] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import math
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -53,6 +52,8 @@ from specexec_hf.tools.bench import (
     sequoia_acceptance,
 )
 from specexec_hf.tools.prompts import chat_inputs
+
+from benchmarks.timing import forward_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tokens_per_forward"
 DRAFT_LABELS = {"target": "draft == target", "self:int8": "self:int8", "self:int4": "self:int4",
@@ -91,16 +92,6 @@ def dequantized_twin(target: torch.nn.Module, quantized: torch.nn.Module) -> tor
                 linear.bias = module.bias
             twin.set_submodule(name, linear)
     return twin
-
-
-@torch.no_grad()
-def forward_seconds(model: torch.nn.Module, tokens: torch.Tensor, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        model(tokens)
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def forward_cost(target, draft, tokens: torch.Tensor, counts=(16, 128), repeats: int = 5) -> dict[str, float]:
@@ -202,7 +193,7 @@ def main() -> None:
                                 do_sample=False)[0, p.shape[1]:].tolist() for p in prompts]
     tree = SpecExecConfig(max_depth=args.static_max_depth)
     report = {
-        "command": " ".join(["benchmarks/tokens_per_forward.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.tokens_per_forward", *sys.argv[1:]]),
         "machine": platform.platform(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "prompts": prompt_texts,

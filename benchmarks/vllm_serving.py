@@ -34,8 +34,8 @@ and no GPU path (CUDA kernels, CUDA graphs, GPU memory) is exercised. There vLLM
 one core for the server's front-end processes and computes on the other, one thread (``worker_cores`` in the JSON).
 The tiny pair's figures measure overheads, not speed-ups.
 
-    python benchmarks/vllm_serving.py --output runs/vllm_serving.json
-    python benchmarks/vllm_serving.py --default-pair --requests 16 --concurrency 1 8 --budgets 16 64 \\
+    python -m benchmarks.vllm_serving --output runs/vllm_serving.json
+    python -m benchmarks.vllm_serving --default-pair --requests 16 --concurrency 1 8 --budgets 16 64 \\
         --offload /var/tmp/offload --cache-fraction 0.33 --disconnects 2 --output runs/vllm_serving_offload.json
 """
 
@@ -61,9 +61,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memory_cap import MemoryCap
-from synthetic_models import make_tiny_pair
-from vllm_acceptance import speculative_config
+from benchmarks.memory_cap import MemoryCap
+from benchmarks.synthetic_models import make_tiny_pair
+from benchmarks.vllm_acceptance import speculative_config
 
 PROMPTS = [
     "User: What is a good way to learn to cook at home?\nAssistant:",
@@ -820,7 +820,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "command": " ".join(["benchmarks/vllm_serving.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.vllm_serving", *(sys.argv[1:] if argv is None else argv)]),
         "vllm": vllm.__version__,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "cpu_count": os.cpu_count(),

@@ -20,7 +20,7 @@ Each figure is the mean over the decode steps (steps that schedule no prompt tok
 scheduled tokens per step. ``--cprofile FILE`` also writes the functions with the most own and cumulative time
 over the whole run.
 
-    python benchmarks/vllm_step_profile.py --default-pair --offload /var/tmp/vs_offload --concurrency 1 \\
+    python -m benchmarks.vllm_step_profile --default-pair --offload /var/tmp/vs_offload --concurrency 1 \\
         --method specexec_tree --budget 16 --requests 4 --max-tokens 32 --output runs/profile_c1_b16.json
 """
 
@@ -44,8 +44,8 @@ from typing import Any
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, so its parts can be timed
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as the serving benchmark's servers
 
-from vllm_acceptance import proposer_stats, speculative_config  # noqa: E402
-from vllm_serving import PROMPTS, shipped_draft_vocab  # noqa: E402
+from benchmarks.vllm_acceptance import proposer_stats, speculative_config  # noqa: E402  (after the environment)
+from benchmarks.vllm_serving import PROMPTS, shipped_draft_vocab  # noqa: E402
 
 PARTS = ("step", "schedule", "prepare", "forward", "read wait", "attn native", "attn tree", "logits", "sample",
          "compact", "propose", "draft fwd", "tree start", "update")  # fmt: skip
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target, draft = map(str, export_default_pair(scratch))
             shipped_draft_vocab(Path(draft))
         else:
-            from synthetic_models import make_tiny_pair
+            from benchmarks.synthetic_models import make_tiny_pair
 
             pair = make_tiny_pair(Path(scratch), noise=0.1)
             target, draft = str(pair.target), str(pair.draft)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         after = speculation_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     report = {
-        "command": " ".join(["benchmarks/vllm_step_profile.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.vllm_step_profile", *(sys.argv[1:] if argv is None else argv)]),
         "method": args.method,
         "budget": args.budget if tree else None,
         "request_budget": request_budget if tree else None,

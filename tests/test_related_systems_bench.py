@@ -7,9 +7,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import benchmark_script
 
-related = benchmark_script("related_systems")
+from benchmarks import related_systems as related
+
 
 
 def test_methods_cover_every_option_with_its_draft_budget_and_policy():

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import benchmark_script
 
-ring_depth = benchmark_script("ring_depth")
-figure_checks = benchmark_script("figure_checks")
+from benchmarks import figure_checks, ring_depth
+
 SPECEXEC = "SpecExec budget 64"
 
 

@@ -10,27 +10,27 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
-from conftest import benchmark_script
-
+from benchmarks import shapes, ssd
+from benchmarks.report import goals_by_key
 from specexec_hf.offload.direct_io import WeightFile, aligned_empty
 
-ssd = benchmark_script("ssd")
-TINY = ssd.LlamaShape("tiny", 64, 128, 2, 4, 2, 256, tied=True)
+TINY = shapes.LlamaShape("tiny", 64, 128, 2, 4, 2, 256, tied=True)
 
 
 def test_random_checkpoint_loads_as_the_shape_and_streams_from_disk(tmp_path):
-    directory = ssd.write_random_checkpoint(TINY, torch.bfloat16, tmp_path / "tiny")
+    directory = shapes.write_random_checkpoint(TINY, torch.bfloat16, tmp_path / "tiny")
     stored = load_file(directory / "model.safetensors")
     with torch.device("meta"):
-        skeleton = ssd.transformers.LlamaForCausalLM(TINY.config()).to(torch.bfloat16)
+        skeleton = LlamaForCausalLM(TINY.config()).to(torch.bfloat16)
     expected = {name: t for name, t in skeleton.state_dict().items() if name != "lm_head.weight"}  # tied
     assert {name: (t.shape, t.dtype) for name, t in stored.items()} == {
         name: (t.shape, t.dtype) for name, t in expected.items()}
     assert all(torch.equal(t, torch.ones_like(t)) for name, t in stored.items() if t.dim() == 1)  # norms at 1
     assert all(0 < t.float().std() < 0.05 for t in stored.values() if t.dim() == 2)  # random, never zeros
     ids = torch.tensor([[5, 9, 17]])
-    resident = ssd.transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    resident = LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
     with ssd.streamed_target(directory, None, prefetch=1) as (streamed, _), torch.no_grad():
         assert torch.equal(streamed(input_ids=ids).logits, resident(input_ids=ids).logits)
 
@@ -51,14 +51,15 @@ def test_goals_and_projection_from_measured_rows():
     assert methods["SpecExec budget 16"]["verify_seconds_per_step"] == pytest.approx(0.35)
     assert methods["SpecExec budget 16"]["seconds_per_step"] == pytest.approx(0.5)
     assert not methods["SpecExec budget auto"]["all_equal_plain_greedy"]
-    goals = ssd.goals({"end_to_end": {"methods": methods}})
-    assert goals["SpecExec budget 16 vs plain generate (goal >= 2.5)"] == pytest.approx(4.0)
-    assert goals["SpecExec budget 16 vs the best HF assisted (goal >= 1.4)"] == pytest.approx(2.0)
-    assert goals["SpecExec auto vs the best fixed budget (goal >= 0.95)"] == pytest.approx(0.8)
-    assert goals["SpecExec budget 16: wall-clock speedup / tokens per target forward (goal >= 0.8)"] == 1.0
-    capped = ssd.goals({"end_to_end": {"methods": methods, "peak_bytes": 900, "limit_bytes": 1000}})
-    assert capped["end to end: peak memory (process plus page cache) / the cap (goal <= 1)"] == 0.9
-    assert ssd.goals({"end_to_end": None, "forward": []}) == {}  # a failed section leaves no goal, and no crash
+    goals = goals_by_key(ssd.goals({"end_to_end": {"methods": methods}}))
+    assert goals["specexec_vs_plain"].measured == pytest.approx(4.0) and goals["specexec_vs_plain"].met
+    assert goals["specexec_vs_plain"].claim == "SpecExec budget 16 vs plain generate"
+    assert goals["specexec_vs_assisted"].measured == pytest.approx(2.0)
+    assert goals["auto_vs_best_budget"].measured == pytest.approx(0.8) and not goals["auto_vs_best_budget"].met
+    assert goals["speedup_over_tokens_per_forward"].measured == 1.0
+    capped = goals_by_key(ssd.goals({"end_to_end": {"methods": methods, "peak_bytes": 900, "limit_bytes": 1000}}))
+    assert capped["peak_over_cap"].measured == 0.9 and capped["peak_over_cap"].met  # at most the cap
+    assert ssd.goals({"end_to_end": None, "forward": []}) == []  # a failed section leaves no goal, and no crash
     projection = ssd.project({"shape": "big", "seconds": {"1": 2.0, "64": 2.5}}, {"methods": methods})
     assert projection["tokens_per_second"]["plain generate"] == 0.5
     assert projection["tokens_per_second"]["SpecExec budget 16"] == pytest.approx(4 / (2.0 + 0.5 * 16 / 63 + 0.1))
@@ -128,13 +129,14 @@ def test_forward_goals_name_the_largest_weights_over_cap_and_whether_it_stayed_w
     curves = [row(ssd.DEFAULT_TARGET, 0.7, 900), row("SmolLM2-1.7B", 2.6, 1001e6, limit=1000e6),
               row("SmolLM2-1.7B", 1.3, 900, dtype="float32", flat=16),
               {"shape": "SmolLM2-1.7B", "dtype": "int4", "not_run": "refused"}]
-    goals = ssd.forward_goals(curves)
-    assert goals[f"{ssd.DEFAULT_TARGET}: 64-token forward / 1-token forward (goal <= 1.5)"] == pytest.approx(1.2)
-    assert goals["SmolLM2-1.7B bfloat16: flat up to tokens (goal >= 32)"] == 64
-    assert goals["SmolLM2-1.7B bfloat16: 1-token forward's share of the bound (goal >= 0.85)"] == 0.9
-    assert goals["SmolLM2-1.7B float32: flat up to tokens (goal >= 32)"] == 16  # the same shape computed in float32
-    [cap] = [name for name in goals if "weights over the cap" in name]
-    assert cap.startswith("SmolLM2-1.7B bfloat16") and "OVER the 1000 MB cap" in cap and goals[cap] == 2.6
+    goals = goals_by_key(ssd.forward_goals(curves))
+    assert goals["default_target_64_over_1"].measured == pytest.approx(1.2) and goals["default_target_64_over_1"].met
+    assert goals["larger_bfloat16_flat_tokens"].measured == 64
+    assert goals["larger_bfloat16_one_token_share_of_bound"].measured == 0.9
+    assert goals["larger_float32_flat_tokens"].measured == 16  # the same shape computed in float32
+    assert not goals["larger_float32_flat_tokens"].met
+    cap = goals["weights_over_cap"]
+    assert cap.claim.startswith("SmolLM2-1.7B bfloat16") and "OVER the 1000 MB cap" in cap.claim and cap.measured == 2.6
 
 
 def test_arguments_quick_defaults_and_prefetch(capsys):

@@ -13,11 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import benchmark_script
 from hypothesis import given
 from hypothesis import strategies as st
 
-vllm_serving = benchmark_script("vllm_serving")
+from benchmarks import vllm_serving
 
 
 def sse(chunks: list[dict], trailing: list[dict]) -> io.BytesIO:
