@@ -39,7 +39,10 @@ def _install_generate_patch() -> None:
     try:
         transformers_generate.apply()
     except transformers_generate.UnsupportedTransformersVersion as error:
-        warnings.warn(f"{error} speculator='specexec' is unavailable; custom_generate=specexec_hf.generate may work.")
+        warnings.warn(
+            f"{error} speculator='specexec' is unavailable; custom_generate=specexec_hf.generate may work.",
+            stacklevel=1,
+        )
 
 
 _install_generate_patch()

@@ -15,13 +15,13 @@ from tolerances import rounding_bound
 
 from specexec_hf import SpecExecStats, models
 from specexec_hf.core.acceptance_map import AcceptanceMap
-from specexec_hf.hf.learnt_state import LearntState, learnt_state_of
 from specexec_hf.hf.calibrated import (
     ACCEPTANCE_MAP_ATTRIBUTE,
     ACCEPTANCE_MAP_KEY,
     CONTEXT_MATCH_ATTRIBUTE,
     starting_acceptance_map,
 )
+from specexec_hf.hf.learnt_state import LearntState, learnt_state_of
 from specexec_hf.models import CONTEXT_MATCH_KEY, GREEDY_TEMPERATURE_KEY
 from specexec_hf.tools import calibrate
 from specexec_hf.tools.calibrate import (

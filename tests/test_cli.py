@@ -95,7 +95,8 @@ def test_bench_with_own_target_and_draft_matches_greedy(pair, tmp_path, offload,
     out = tmp_path / "bench"
     code = cli.main([
         "bench", "--target", str(target_dir), "--draft", str(draft_dir), "--methods", "autoregressive", "specexec",
-        "specexec_rounds", "--budgets", "6", "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8", "--threads", "1",
+        "specexec_rounds", "--budgets", "6", "--temperatures", "0", "--prompts", "2", "--max-new-tokens", "8",
+        "--threads", "1",
         "--out", str(out), *offload,
     ])  # fmt: skip
     assert code == 0
@@ -197,7 +198,7 @@ def documented_commands() -> list[tuple[str, str, bool]]:
                 assignment = re.fullmatch(r'(\w+)="(.*)"', line.strip())
                 if assignment:
                     variables[assignment[1]] = assignment[2]
-                line = re.sub(r"^\$(\w+)", lambda name: variables.get(name[1], name[0]), line.strip())
+                line = re.sub(r"^\$(\w+)", lambda name, known=variables: known.get(name[1], name[0]), line.strip())
                 if command.match(line):
                     found.append((path.name, line, True))
         found += [(path.name, span, False) for span in re.findall(r"`([^`\n]+)`", fence.sub("", text))

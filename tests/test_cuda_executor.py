@@ -481,7 +481,9 @@ def test_load_offloaded_with_a_gpu_in_the_budget_installs_the_device_streamer(mo
     device_map = placed(model, [0, "cpu", "cpu"])
     monkeypatch.setattr(placement, "offload_device_map", lambda *args: device_map)
     monkeypatch.setattr(device_module, "CudaDevice", lambda where: OrderCheckingDevice())
-    streamed = load_offloaded(copy.deepcopy(model), max_memory={0: "1GiB", "cpu": "8GiB"}, executor="stream", prefetch=2)
+    streamed = load_offloaded(
+        copy.deepcopy(model), max_memory={0: "1GiB", "cpu": "8GiB"}, executor="stream", prefetch=2
+    )
     assert isinstance(layer_streamer(streamed), DeviceLayerStreamer)
     assert streamed.hf_device_map == device_map
     with torch.no_grad():

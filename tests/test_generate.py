@@ -78,7 +78,9 @@ def test_max_length_is_never_overshot(seed, max_length, knobs):
     target = tiny_model("qwen2", seed=seed)
     ids = prompt(seed, 7)
     expected = target.generate(ids, max_length=max_length, do_sample=False)
-    got = target.generate(ids, max_length=max_length, do_sample=False, assistant_model=target, speculator="specexec", **knobs)
+    got = target.generate(
+        ids, max_length=max_length, do_sample=False, assistant_model=target, speculator="specexec", **knobs
+    )
     assert got.tolist() == expected.tolist()
     assert got.shape[1] == max_length
 
@@ -92,7 +94,8 @@ def test_stop_strings_match_plain_generate(seed, stop_length, knobs):
     stop = tokenizer.decode(free_run[0, 12 : 12 + stop_length])
     kwargs = dict(max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     expected = target.generate(ids, **kwargs)
-    got = target.generate(ids, **kwargs, assistant_model=perturbed_copy(target, 0.02, 1), speculator="specexec", **knobs)
+    draft = perturbed_copy(target, 0.02, 1)
+    got = target.generate(ids, **kwargs, assistant_model=draft, speculator="specexec", **knobs)
     assert got.tolist() == expected.tolist()
 
 
@@ -136,7 +139,9 @@ def test_logits_processors_see_each_nodes_own_path(device, seed, settings, knobs
     target = tiny_model("qwen3", seed=seed)
     target, draft, ids = on_device(device, target, perturbed_copy(target, 0.02, seed=seed + 1), prompt(seed, 5))
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, **settings)
-    got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft, speculator="specexec", **settings, **knobs)
+    got = target.generate(
+        ids, max_new_tokens=24, do_sample=False, assistant_model=draft, speculator="specexec", **settings, **knobs
+    )
     assert got.tolist() == expected.tolist()
 
 
@@ -160,7 +165,10 @@ def test_draft_equal_to_target_accepts_the_whole_top1_chain(seed, knobs):
     specexec_hf.SpecExecCandidateGenerator.grow_tree = recording_grow
     try:
         stats = SpecExecStats()
-        target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=target, speculator="specexec", specexec_stats=stats, **knobs)
+        target.generate(
+            ids, max_new_tokens=40, do_sample=False, assistant_model=target, speculator="specexec",
+            specexec_stats=stats, **knobs,
+        )
     finally:
         specexec_hf.SpecExecCandidateGenerator.grow_tree = original_grow
     for step, chain in zip(stats.steps[:-1], chains):  # the last step may be cut by max_new_tokens
@@ -170,7 +178,9 @@ def test_draft_equal_to_target_accepts_the_whole_top1_chain(seed, knobs):
 @pytest.mark.parametrize("device", DEVICES)
 def test_return_dict_scores_logits_and_stats(llama_pair, device):
     target, draft, ids = on_device(device, *copy.deepcopy(llama_pair), prompt(3, 6))
-    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    kwargs = dict(
+        max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
     expected = target.generate(ids, **kwargs)
     got = target.generate(ids, **kwargs, assistant_model=draft, speculator="specexec", budget=8)
     assert got.sequences.tolist() == expected.sequences.tolist()
@@ -199,7 +209,9 @@ def test_streamer_receives_each_token_once_in_order(llama_pair):
     ids = prompt(4, 5)
     for route in ({"speculator": "specexec"}, {"custom_generate": specexec_hf.generate}):
         recorder = Recorder()
-        out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=recorder, **route)
+        out = target.generate(
+            ids, max_new_tokens=20, do_sample=False, assistant_model=draft, streamer=recorder, **route
+        )
         streamed = [token for chunk in recorder.chunks for token in chunk]
         assert streamed == out[0].tolist() and recorder.ended
 
@@ -209,7 +221,9 @@ def test_attention_mask_of_ones_is_accepted(llama_pair):
     ids = prompt(5, 6)
     mask = torch.ones_like(ids)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    got = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=draft, speculator="specexec")
+    got = target.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant_model=draft, speculator="specexec"
+    )
     assert got.tolist() == expected.tolist()
 
 

@@ -96,9 +96,12 @@ def test_the_checks_pass_complete_results_and_catch_each_kind_of_broken_ones(tmp
     assert problems == ["call 1: tests.test_offload.tests.test_offload: collection failure"]
     killed = {"forward": {"status": "started, never finished (killed at its time limit, or crashed)"}}
     assert "started, never finished" in gpu_rehearse.check_call(2, call_results(tmp_path / "killed", killed), 0, 0)[0]
-    crashed = call_results(tmp_path / "crashed", done, errors=[{"section": "end to end", "traceback": "T\nValueError: x"}])
+    crashed_section = {"section": "end to end", "traceback": "T\nValueError: x"}
+    crashed = call_results(tmp_path / "crashed", done, errors=[crashed_section])
     assert gpu_rehearse.check_call(3, crashed, 1, 0) == [
-        f"call 3: exit code 1, expected 0 (see {crashed}/gpu_check.log)", "call 3: benchmark section end to end: ValueError: x"]
+        f"call 3: exit code 1, expected 0 (see {crashed}/gpu_check.log)",
+        "call 3: benchmark section end to end: ValueError: x",
+    ]
     missing = call_results(tmp_path / "missing", done)
     (missing / "gpu_offload.md").unlink()
     assert gpu_rehearse.check_call(1, missing, 0, 0) == ["call 1: results missing: ['gpu_offload.md']"]

@@ -254,6 +254,7 @@ def test_draft_ahead_refuses_a_draft_sharing_the_targets_streamed_layers(executo
         with pytest.raises(ValueError, match=r"draft_ahead .* shares the target's 'model\..*draft_ahead=False"):
             offloaded.generate(ids, max_new_tokens=4, do_sample=False, assistant_model="self:exit:1",
                                speculator="specexec", draft_ahead=True)
-        got = offloaded.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=perturbed_copy(target, 0.05, 4),
+        draft = perturbed_copy(target, 0.05, 4)
+        got = offloaded.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft,
                                  speculator="specexec", draft_ahead=True)
     assert got.tolist() == expected.tolist()

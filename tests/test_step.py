@@ -13,8 +13,8 @@ from transformers import GenerationConfig, LogitsProcessorList
 from specexec_hf.core.search import SearchResult
 from specexec_hf.core.tree import TokenTree
 from specexec_hf.core.verify import acceptance_walk
-from specexec_hf.hf.forward import NodeLogits
 from specexec_hf.hf.decoder import ChoiceRule, SpecExecDecoder, TargetChoice, TreeLogitsProcessor
+from specexec_hf.hf.forward import NodeLogits
 from specexec_hf.hf.request import validate_request
 
 VOCAB = 12

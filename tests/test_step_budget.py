@@ -55,7 +55,8 @@ def test_the_proposer_setting():
     pytest.importorskip("vllm")  # the integration raises a plain ImportError naming the install when vllm is absent
     import specexec_hf.integrations.vllm as vllm
 
-    settings = vllm.ProposerSettings.from_sources({"draft_model": "d", "tree_verification": True, "step_budget": 48}, {})
+    given = {"draft_model": "d", "tree_verification": True, "step_budget": 48}
+    settings = vllm.ProposerSettings.from_sources(given, {})
     assert settings.step_budget == 48
     environment = {"SPECEXEC_DRAFT_MODEL": "d", "SPECEXEC_TREE_VERIFICATION": "1", "SPECEXEC_STEP_BUDGET": "32"}
     assert vllm.ProposerSettings.from_sources({}, environment).step_budget == 32

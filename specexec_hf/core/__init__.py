@@ -17,6 +17,7 @@
 from .config import SpecExecConfig
 from .context_match import ContextIndex, mix_context_guesses
 from .masks import additive_mask, chain_and_tree_mask
+from .round_search import RoundPolicy, RoundSearch
 from .search import (
     TREE_POLICIES,
     BestFirstPolicy,
@@ -30,7 +31,6 @@ from .search import (
     register_tree_policy,
     tree_policy,
 )
-from .round_search import RoundPolicy, RoundSearch
 from .static_trees import (
     SequoiaSearch,
     SpecInferSearch,

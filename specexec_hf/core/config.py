@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-
 DRAFT_AHEAD_FACTOR = 4
 """With ``draft_ahead``, how many times the budget the search grown on during verification may keep."""
 
@@ -87,8 +86,8 @@ class SpecExecConfig:
         gain = self.min_draft_gain
         if not isinstance(gain, (int, float)) or isinstance(gain, bool) or not 0 <= gain < 1:
             raise ValueError(
-                f"SpecExecConfig.min_draft_gain must be a number in [0, 1) (0 grows every tree until it cannot improve), "
-                f"got {gain!r}."
+                "SpecExecConfig.min_draft_gain must be a number in [0, 1) (0 grows every tree until it cannot "
+                f"improve), got {gain!r}."
             )
         for name in ("acceptance_calibration", "sampled_children", "draft_ahead"):
             if not isinstance(getattr(self, name), bool):

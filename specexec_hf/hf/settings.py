@@ -6,8 +6,8 @@ transformers keeps a ``GenerationConfig`` field it does not know as an attribute
 set as ``model.generation_config`` or saved beside the weights, reaches SpecExec like any field: ``speculator``
 (read by :mod:`specexec_hf.patches.transformers_generate`), every :class:`~specexec_hf.core.config.SpecExecConfig`
 knob, ``tree_search`` (by name), ``draft_budget`` and ``step_budget``. A keyword argument wins over the config, as it
-does for transformers' own fields. Assisted generation's own settings, which SpecExec has no use for, are named in a warning
-rather than dropped without a word.
+does for transformers' own fields. Assisted generation's own settings, which SpecExec has no use for, are named in a
+warning rather than dropped without a word.
 """
 
 from __future__ import annotations

@@ -209,7 +209,9 @@ class OrderCheckingDevice(StreamDevice):
     alignment = CUDA_ALLOCATION_ALIGNMENT
 
     def __init__(
-        self, fail_copies: set[int] | frozenset[int] = frozenset(), refuse_copies: set[int] | frozenset[int] = frozenset()
+        self,
+        fail_copies: set[int] | frozenset[int] = frozenset(),
+        refuse_copies: set[int] | frozenset[int] = frozenset(),
     ):
         self._fail_copies = set(fail_copies)
         self.refuse_copies = set(refuse_copies)  # may be changed between forwards

@@ -868,7 +868,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Budgets for SpecInfer, Sequoia and specexec_draft_only (default: --budgets).")
     defaults = SpecExecConfig()
     parser.add_argument("--max-depth", type=int, default=TREE_MAX_DEPTH,
-                        help=f"Deepest tree level of the SpecInfer- and Sequoia-style trees (default {TREE_MAX_DEPTH}).")
+                        help=f"Deepest tree level of the SpecInfer- and Sequoia-style trees (default "
+                             f"{TREE_MAX_DEPTH}).")
     parser.add_argument("--specexec-max-depth", type=int,
                         help="Deepest tree level of SpecExec (default: no cap beyond the budget and the tokens left).")
     parser.add_argument("--max-branch", type=int, default=defaults.max_branch,

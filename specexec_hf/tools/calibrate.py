@@ -165,7 +165,7 @@ def fit_context_match_weights(
         p, q = draft_probs[here].double(), guess_probs[here].double()
         counts.append(int(here.sum()))
         # With positions the draft cannot propose the draft alone scores infinity: start the search above 0.
-        fitted = _minimize_convex(lambda w: cross_entropy(w, p, q), 1e-6, 0.999) if counts[-1] else 0.0
+        fitted = _minimize_convex(lambda w, p=p, q=q: cross_entropy(w, p, q), 1e-6, 0.999) if counts[-1] else 0.0
         weights.append(round(fitted, 4))
     proposable = usable & (draft_probs > 0)
     p, q = draft_probs[proposable].double(), guess_probs[proposable].double()
