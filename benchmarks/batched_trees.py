@@ -1,0 +1,219 @@
+"""Batched trees (issue 57): SpecExec over a batch of prompts against the same prompts one after another, and against
+plain batched ``generate()``, in one run.
+
+A target streamed from disk costs about as much per forward for one token as for tens (the default target on the
+2-core development CPU is flat to about 64 tokens), and one SpecExec tree uses part of that. With ``generate()``
+taking a batch, one forward verifies every row's tree. Per chunk of ``--batch`` prompts, taking turns so that drift
+falls on every method alike:
+
+- ``plain batched``: ``target.generate(ids, attention_mask=...)`` over the left-padded chunk;
+- ``specexec batched``: the same call with ``assistant_model=draft, speculator="specexec"``;
+- ``specexec one by one``: each prompt of the chunk alone through SpecExec.
+
+Greedy, float32 (outputs must be identical: each row's new tokens are compared across the three; a difference fails
+the run). Aggregate tokens/s is every prompt's new tokens over the method's total seconds; each figure goes through
+``figure_checks`` before it is written. The issue's CPU goal: batch 4, 8 held-out prompts, the default pair with the
+target streamed from disk under a RAM cap below its weights (this process in a cgroup v1 memory group, page cache
+included, as ``ssd.py`` caps it; root needed): batched >= 2x one by one and >= 1.7x plain batched.
+
+Not a test: the figures depend on the disk, the CPU and the load.
+Run (root):  .venv/bin/python benchmarks/batched_trees.py
+Smoke run (tiny random models in memory, no cap, no root; timings meaningless):
+             .venv/bin/python benchmarks/batched_trees.py --tiny --no-cap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # figure_checks, a sibling script
+from figure_checks import positive  # noqa: E402
+
+import specexec_hf  # noqa: E402
+from specexec_hf import SpecExecStats  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "batched_trees"
+MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
+GROUP = MEMORY_CONTROLLER / "specexec_batched_trees"
+
+
+def join_memory_cap() -> None:
+    """Moves this process into its own cgroup v1 memory group (no limit yet); see ``memory_cap.py``."""
+    if os.geteuid() != 0 or not (MEMORY_CONTROLLER / "cgroup.procs").is_file():
+        raise SystemExit("The RAM cap needs root and a cgroup v1 memory controller; pass --no-cap to run uncapped.")
+    GROUP.mkdir(exist_ok=True)
+    (GROUP / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def set_memory_cap(extra_bytes: int) -> int:
+    """Limits the group to what it holds now plus ``extra_bytes`` (page cache included); returns the limit."""
+    limit = int((GROUP / "memory.usage_in_bytes").read_text()) + extra_bytes
+    (GROUP / "memory.limit_in_bytes").write_text(str(limit))
+    return limit
+
+
+def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module, None]:
+    """A tiny random target and a slightly perturbed copy as its draft (smoke runs), in float64: their near-uniform
+    logits would otherwise tie within float32 rounding, where padding alone changes plain batched greedy output."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).double().eval()
+    draft = LlamaForCausalLM(config).double().eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    return target, draft, None
+
+
+def default_pair_streamed(cap_fraction: float | None):
+    """The default draft in RAM and the default target streamed from disk, in float32; with ``cap_fraction``, the
+    group capped at the loaded process plus that share of the target's weights."""
+    from specexec_hf.models.default_pair import default_target_dir
+    from specexec_hf.offload import load_offloaded
+
+    _, draft, tokenizer = specexec_hf.load_default_pair(dtype=torch.float32, draft_dtype=torch.float32)
+    checkpoint = default_target_dir()
+    target = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", dtype=torch.float32)
+    if cap_fraction is not None:
+        weights = sum(path.stat().st_size for path in checkpoint.glob("*.safetensors"))
+        set_memory_cap(int(cap_fraction * weights))
+    return target, draft, tokenizer
+
+
+def prompts_of(tokenizer, count: int, tiny: bool) -> list[list[int]]:
+    """``count`` held-out prompts as chat token ids (random ids for the tiny pair)."""
+    if tiny:
+        generator = torch.Generator().manual_seed(1)
+        return [torch.randint(1, 64, (int(length),), generator=generator).tolist()
+                for length in torch.randint(3, 12, (count,), generator=generator)]
+    from specexec_hf.tools.prompts import encode_chats, load_prompts
+
+    return encode_chats(tokenizer, load_prompts("eval")[:count])
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
+    """A row's generated tokens up to and including its first EOS (the padding after it dropped)."""
+    tokens = row.tolist()
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1]
+    return tokens
+
+
+def timed(call):
+    started = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=16, help="tree nodes per row")
+    parser.add_argument("--cap-fraction", type=float, default=0.5,
+                        help="RAM the cap leaves beyond the loaded process, as a share of the target's weights")
+    parser.add_argument("--no-cap", action="store_true", help="run without the cgroup cap (no root needed)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models in memory: a smoke run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    if not args.no_cap:
+        join_memory_cap()
+    if args.tiny:
+        target, draft, tokenizer = tiny_pair()
+        pad = 0
+    else:
+        target, draft, tokenizer = default_pair_streamed(None if args.no_cap else args.cap_fraction)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = target.generation_config.eos_token_id
+    eos = set(eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids])
+    prompts = prompts_of(tokenizer, args.prompts, args.tiny)
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": pad}
+    specexec = {"assistant_model": draft, "speculator": "specexec", "budget": args.budget}
+
+    seconds = {"plain batched": 0.0, "specexec batched": 0.0, "specexec one by one": 0.0}
+    forwards = {"specexec batched": 0, "specexec one by one": 0}
+    generated, mismatches = 0, []
+    for start in range(0, len(prompts), args.batch):
+        chunk = prompts[start : start + args.batch]
+        ids, mask = left_padded(chunk, pad)
+        width = ids.shape[1]
+        plain, spent = timed(lambda: target.generate(ids, attention_mask=mask, **common))
+        seconds["plain batched"] += spent
+        stats = SpecExecStats()
+        batched, spent = timed(lambda: target.generate(ids, attention_mask=mask, **common, **specexec,
+                                                       specexec_stats=stats))
+        seconds["specexec batched"] += spent
+        forwards["specexec batched"] += stats.target_forwards
+        for row, prompt in enumerate(chunk):
+            alone_stats = SpecExecStats()
+            alone, spent = timed(lambda: target.generate(torch.tensor([prompt]), **common, **specexec,
+                                                         specexec_stats=alone_stats))
+            seconds["specexec one by one"] += spent
+            forwards["specexec one by one"] += alone_stats.target_forwards
+            expected = new_tokens(alone[0, len(prompt) :], eos)
+            generated += len(expected)
+            for method, output in (("plain batched", plain), ("specexec batched", batched)):
+                if new_tokens(output[row, width:], eos) != expected:
+                    mismatches.append({"prompt": start + row, "method": method})
+
+    tokens_per_second = {method: positive(f"{method} tokens/s", generated / positive(f"{method} seconds", spent))
+                         for method, spent in seconds.items()}
+    batched = tokens_per_second["specexec batched"]
+    ratios = {
+        "batched / one by one": positive("batched / one by one", batched / tokens_per_second["specexec one by one"]),
+        "batched / plain batched": positive("batched / plain batched", batched / tokens_per_second["plain batched"]),
+    }
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": platform.processor() or platform.machine(),
+        "setting": {key: value for key, value in vars(args).items() if key != "out"} | {"out": str(args.out)},
+        "new_tokens": generated,
+        "seconds": seconds,
+        "tokens_per_second": tokens_per_second,
+        "target_forwards": forwards,
+        "ratios": ratios,
+        "goals": {"batched / one by one": 2.0, "batched / plain batched": 1.7},
+        "outputs_identical": not mismatches,
+        "mismatches": mismatches,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batched_trees.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# batched_trees\n\n`{result['command']}`\n", "| method | tokens/s | seconds | target forwards |",
+             "|---|---|---|---|"]
+    lines += [f"| {method} | {tokens_per_second[method]:.2f} | {seconds[method]:.2f} | {forwards.get(method, '')} |"
+              for method in seconds]
+    lines += ["", *(f"- {name}: {value:.2f}x (goal {result['goals'][name]}x)" for name, value in ratios.items()),
+              f"- outputs identical: {not mismatches}"]
+    (args.out / "batched_trees.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if mismatches:
+        raise SystemExit(f"outputs differ: {mismatches}")
+
+
+if __name__ == "__main__":
+    main()
