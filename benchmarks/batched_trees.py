@@ -122,9 +122,10 @@ def new_tokens(row: torch.Tensor, eos: set[int]) -> list[int]:
     return tokens
 
 
-def timed(call):
+def timed(generate, *args, **kwargs):
+    """``generate(*args, **kwargs)`` and the seconds it took."""
     started = time.perf_counter()
-    result = call()
+    result = generate(*args, **kwargs)
     return result, time.perf_counter() - started
 
 
@@ -162,17 +163,16 @@ def main() -> None:
         chunk = prompts[start : start + args.batch]
         ids, mask = left_padded(chunk, pad)
         width = ids.shape[1]
-        plain, spent = timed(lambda: target.generate(ids, attention_mask=mask, **common))
+        plain, spent = timed(target.generate, ids, attention_mask=mask, **common)
         seconds["plain batched"] += spent
         stats = SpecExecStats()
-        batched, spent = timed(lambda: target.generate(ids, attention_mask=mask, **common, **specexec,
-                                                       specexec_stats=stats))
+        batched, spent = timed(target.generate, ids, attention_mask=mask, **common, **specexec, specexec_stats=stats)
         seconds["specexec batched"] += spent
         forwards["specexec batched"] += stats.target_forwards
         for row, prompt in enumerate(chunk):
             alone_stats = SpecExecStats()
-            alone, spent = timed(lambda: target.generate(torch.tensor([prompt]), **common, **specexec,
-                                                         specexec_stats=alone_stats))
+            alone, spent = timed(target.generate, torch.tensor([prompt]), **common, **specexec,
+                                 specexec_stats=alone_stats)
             seconds["specexec one by one"] += spent
             forwards["specexec one by one"] += alone_stats.target_forwards
             expected = new_tokens(alone[0, len(prompt) :], eos)

@@ -13,7 +13,7 @@ from test_sampling import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, exact_distribution
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, pipeline
 from transformers.generation.streamers import BaseStreamer
 
-import specexec_hf
+import specexec_hf  # noqa: F401  (installs speculator="specexec")
 from specexec_hf import SpecExecStats
 from specexec_hf.core.batch_packing import kept_feed_slots, pack_rows
 from specexec_hf.hf import request as request_module
