@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 from vllm_helpers import MAX_TOKENS, PROMPTS, PROPOSER, serve_completions, tiny_pair
 
+# The whole module is slow (engines start for module-scoped fixtures); every test but the missing-vLLM one needs vLLM.
+pytestmark = pytest.mark.slow
+
 K = 4
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=len(PROMPTS), enforce_eager=True, seed=0)
 
@@ -117,6 +120,7 @@ def test_missing_vllm_is_explained(monkeypatch, module):
         importlib.import_module(module)
 
 
+@pytest.mark.vllm
 def test_one_version_range_for_every_part(vllm_env):
     from specexec_hf.patches.patch import UnsupportedRelease
     from specexec_hf.vllm.seams import check_vllm_version
@@ -128,6 +132,7 @@ def test_one_version_range_for_every_part(vllm_env):
             check_vllm_version(version)
 
 
+@pytest.mark.vllm
 def test_the_old_import_path_names_the_same_proposer(vllm_env):
     import specexec_hf.integrations.vllm as old
     import specexec_hf.vllm as new
@@ -137,6 +142,7 @@ def test_the_old_import_path_names_the_same_proposer(vllm_env):
     )  # fmt: skip
 
 
+@pytest.mark.vllm
 def test_settings_from_json_and_environment(vllm_env):
     from specexec_hf.vllm import ProposerSettings
 
@@ -159,6 +165,7 @@ def test_settings_from_json_and_environment(vllm_env):
         ProposerSettings.from_sources({}, {"SPECEXEC_DRAFT_MODEL": "d", "SPECEXEC_BUDGET": "many"})
 
 
+@pytest.mark.vllm
 def test_greedy_outputs_equal_no_speculation(baseline, noisy_draft_run):
     assert noisy_draft_run.greedy == baseline.greedy
     assert all(len(tokens) == MAX_TOKENS for tokens in baseline.greedy)
@@ -168,6 +175,7 @@ def test_greedy_outputs_equal_no_speculation(baseline, noisy_draft_run):
     assert 0 < counters["num_accepted_tokens"] < counters["num_draft_tokens"]
 
 
+@pytest.mark.vllm
 def test_draft_equal_to_target_is_accepted(baseline, self_draft_run):
     counters = self_draft_run.greedy_counters
     acceptance = counters["num_accepted_tokens"] / counters["num_draft_tokens"]
@@ -176,6 +184,7 @@ def test_draft_equal_to_target_is_accepted(baseline, self_draft_run):
     assert self_draft_run.greedy == baseline.greedy
 
 
+@pytest.mark.vllm
 def test_sampled_requests(baseline, noisy_draft_run):
     assert [len(tokens) for tokens in noisy_draft_run.sampled] == [MAX_TOKENS] * len(PROMPTS)
     if noisy_draft_run.speculate_sampled:
@@ -187,6 +196,7 @@ def test_sampled_requests(baseline, noisy_draft_run):
         assert noisy_draft_run.sampled == baseline.sampled
 
 
+@pytest.mark.vllm
 def test_vocabulary_mismatch_fails_engine_start(pair, capfd):
     from vllm import LLM
 
@@ -196,6 +206,7 @@ def test_vocabulary_mismatch_fails_engine_start(pair, capfd):
     assert re.search(r"vocabulary \((\d+) logits\) does not match the vLLM target's \(\d+\)", logs.out + logs.err)
 
 
+@pytest.mark.vllm
 def test_serving_matches_no_speculation_server(pair, tmp_path):
     plain = serve_completions(pair.target, tmp_path / "plain.log", [], {})
     # This server takes the draft from the environment, the other documented way to configure it.

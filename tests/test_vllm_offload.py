@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch import nn
 from vllm_helpers import PROMPTS, PROPOSER, tiny_pair
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")  # the module imports vLLM below: skipped, not failed, under -m vllm without it
 
 from specexec_hf.vllm import offload  # noqa: E402
 from specexec_hf.vllm.settings import ProposerSettings  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from vllm_helpers import MAX_TOKENS, PROMPTS, PROPOSER, serve_completions, tiny_pair
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # Longer than two 32-token blocks, so prefix caching has full blocks to share and prefill is chunked.
 LONG_PROMPT = " ".join(["a token tree grows by best first search over the draft model's guesses"] * 4)

@@ -16,10 +16,12 @@ from tolerances import assert_close_across_kernels, rounding_bound
 
 from specexec_hf.core.tree import TokenTree
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm")  # the module imports vLLM below: skipped, not failed, under -m vllm without it
 
 from specexec_hf.patches.patch import UnsupportedRelease
 from specexec_hf.vllm import proposer, seams, tree_attention, tree_verifier
+
+pytestmark = pytest.mark.vllm
 
 
 def _random_tree(parents: list[int]) -> TokenTree:
