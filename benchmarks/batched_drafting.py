@@ -12,7 +12,6 @@ Run: .venv/bin/python -m benchmarks.batched_drafting [--requests 1 2 4 8] [--bud
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ import transformers
 import specexec_hf
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_trees
 from specexec_hf.tools.prompts import chat_inputs, load_prompts
+
+from benchmarks.report import table, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batched_drafting"
 
@@ -86,23 +87,18 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "rows": rows,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "batched_drafting.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Drafting for several requests: batched vs one by one",
         "",
         f"Shipped SmolLM2 draft, budget {args.budget}, depth <= {args.max_depth}, {args.steps} steps, "
         f"{args.threads} thread(s). Same trees in both modes (checked).",
         "",
-        "| requests | batched s | batched draft calls | one-by-one s | one-by-one draft calls | speed-up |",
-        "|---|---|---|---|---|---|",
+        *table(["requests", "batched s", "batched draft calls", "one-by-one s", "one-by-one draft calls", "speed-up"],
+               [[row["requests"], f"{row['seconds']['batched']:.2f}", row["draft_calls"]["batched"],
+                 f"{row['seconds']['one_by_one']:.2f}", row["draft_calls"]["one_by_one"], f"{row['speedup']:.2f}x"]
+                for row in rows]),
     ]
-    for row in rows:
-        lines.append(
-            f"| {row['requests']} | {row['seconds']['batched']:.2f} | {row['draft_calls']['batched']} | "
-            f"{row['seconds']['one_by_one']:.2f} | {row['draft_calls']['one_by_one']} | {row['speedup']:.2f}x |"
-        )
-    (RESULTS / "batched_drafting.md").write_text("\n".join(lines) + "\n")
+    write_report(RESULTS, "batched_drafting", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from specexec_hf.hf.calibrated import (
 from specexec_hf.tools.calibrate import calibration_prompts
 from specexec_hf.tools.prompts import encode_chats
 
+from benchmarks.report import table, write_report
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # The shipped draft was distilled on the first 1,536 training prompts of distill's order and its temperature fit
 # on the next 48; calibration studies used up to 128 of those: skip them all.
@@ -93,19 +95,16 @@ def main() -> None:
     report = {"command": command, "rows": rows, "prompts": args.prompts, "skip": args.skip,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "machine": platform.processor() or platform.machine()}
-    (args.out / "draft_temperature.json").write_text(json.dumps(report, indent=1))
     lines = [
         "# Greedy SpecExec: tokens per target forward vs draft temperature", "", f"`{command}`", "",
         f"{args.prompts} training prompts after the first {args.skip} of distill's order, {args.max_new_tokens} "
         f"new tokens each, budget {args.budget}, default tree knobs. Greedy outputs identical in every row.",
-        "", "| draft temperature | context matching | tokens / target fwd | target fwd |", "|---|---|---|---|",
+        "", *table(["draft temperature", "context matching", "tokens / target fwd", "target fwd"], [
+            [f"{row['temperature']:.3f}" + (" (calibrated)" if row["calibrated"] else ""),
+             ", ".join(map(str, row["context_match_weights"])) or "off", f"{row['tokens_per_target_forward']:.2f}",
+             row["target_forwards"]] for row in rows]),
     ]
-    for row in rows:
-        mark = " (calibrated)" if row["calibrated"] else ""
-        matching = ", ".join(map(str, row["context_match_weights"])) or "off"
-        lines.append(f"| {row['temperature']:.3f}{mark} | {matching} | {row['tokens_per_target_forward']:.2f} | "
-                     f"{row['target_forwards']} |")
-    (args.out / "draft_temperature.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "draft_temperature", report, "\n".join(lines), indent=1)
     print("\n".join(lines))
 
 

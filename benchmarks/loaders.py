@@ -52,6 +52,7 @@ import torch
 from specexec_hf.offload import direct_io
 
 from benchmarks.memory_cap import cached_bytes, evict
+from benchmarks.report import table, write_report
 
 
 READS_INTO = {
@@ -309,8 +310,6 @@ def measure_forward(args) -> None:
         "omp_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "forward.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     lines = [
         "# The default target's forward over one token, every weight on disk, cold",
         "",
@@ -321,15 +320,11 @@ def measure_forward(args) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| round | reads | ms (median) | GB/s streamed | forwards (ms) |",
-        "| --- | --- | --- | --- | --- |",
+        *table(["round", "reads", "ms (median)", "GB/s streamed", "forwards (ms)"],
+               [[result["round"], result["mode"], f"{result['median_ms']:.0f}", f"{result['gb_per_s']:.2f}",
+                 ", ".join(map(str, result["forwards_ms"]))] for result in results]),
     ]
-    for result in results:
-        forwards = ", ".join(map(str, result["forwards_ms"]))
-        lines.append(
-            f"| {result['round']} | {result['mode']} | {result['median_ms']:.0f} | {result['gb_per_s']:.2f} | {forwards} |"
-        )
-    (args.out / "forward.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "forward", {"meta": meta, "results": results}, "\n".join(lines))
 
 
 def disk_bound(path: Path, piece: int = 32 * MiB) -> dict:
@@ -421,7 +416,6 @@ def write_results(args, path: Path, size: int, ranges, results) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
         "folder": str(args.folder),
     }
-    (args.out / "loaders.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     lines = [
         "# Cold reads of one safetensors file, layer by layer",
         "",
@@ -430,19 +424,14 @@ def write_results(args, path: Path, size: int, ranges, results) -> None:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| method | GB/s | s (median) | runs (s) | reads into | bytes checked | error |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        *table(["method", "GB/s", "s (median)", "runs (s)", "reads into", "bytes checked", "error"], [
+            [result["method"], f"{result['gb_per_s']:.2f}" if result["gb_per_s"] else "-",
+             f"{result['seconds']:.2f}" if result["seconds"] else "-",
+             ", ".join(f"{run:.2f}" for run in result["runs_s"]) or "-", result["reads_into"],
+             {True: "equal", False: "DIFFER", None: "-"}[result["correct"]], result["error"] or ""]
+            for result in results]),
     ]
-    for result in results:
-        rate = f"{result['gb_per_s']:.2f}" if result["gb_per_s"] else "-"
-        seconds = f"{result['seconds']:.2f}" if result["seconds"] else "-"
-        checked = {True: "equal", False: "DIFFER", None: "-"}[result["correct"]]
-        runs = ", ".join(f"{run:.2f}" for run in result["runs_s"]) or "-"
-        lines.append(
-            f"| {result['method']} | {rate} | {seconds} | {runs} | {result['reads_into']} | {checked} "
-            f"| {result['error'] or ''} |"
-        )
-    (args.out / "loaders.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "loaders", {"meta": meta, "results": results}, "\n".join(lines))
 
 
 if __name__ == "__main__":

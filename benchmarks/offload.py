@@ -32,6 +32,7 @@ from specexec_hf.offload import load_offloaded
 from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
 from benchmarks.memory_cap import evict
+from benchmarks.report import write_report
 from benchmarks.timing import median_forward_seconds, timed_generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_executors"
@@ -290,8 +291,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{args.name}.md").write_text(markdown(report))
+    write_report(RESULTS, args.name, report, markdown(report))
     print(markdown(report))
 
 

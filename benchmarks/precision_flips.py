@@ -25,7 +25,6 @@ long.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.report import write_report
 from benchmarks.synthetic_models import make_tiny_pair
 from benchmarks.vllm_acceptance import PROMPTS, run_method
 
@@ -308,8 +308,7 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], started: float) 
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
-    (args.output_dir / "precision_flips.json").write_text(json.dumps(report, indent=2))
-    (args.output_dir / "precision_flips.md").write_text(markdown(rows))
+    write_report(args.output_dir, "precision_flips", report, markdown(rows))
 
 
 def _vllm_version() -> str | None:

@@ -14,7 +14,6 @@ compared wherever both ran. Writes ``quanto_cpu_unpack.json`` and ``.md`` under 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.report import write_report
 
 
 def quantized_weight(rows: int, columns: int) -> torch.Tensor:
@@ -95,8 +96,7 @@ def main() -> None:
     for rows, columns in shapes:
         report["rows"].append(measure(rows, columns, args.quanto_max_elements))
         print(report["rows"][-1], flush=True)
-        (args.out / "quanto_cpu_unpack.json").write_text(json.dumps(report, indent=2))
-        (args.out / "quanto_cpu_unpack.md").write_text(markdown(report))
+        write_report(args.out, "quanto_cpu_unpack", report, markdown(report))
 
 
 if __name__ == "__main__":

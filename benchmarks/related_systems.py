@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from specexec_hf.offload import layer_streamer
 from specexec_hf.tools.prompts import chat_inputs, load_prompts
 
 from benchmarks.memory_cap import MemoryCap, evict
+from benchmarks.report import write_report
 from benchmarks.ssd import (
     CACHE_FRACTION,
     DEFAULT_PREFETCH,
@@ -284,9 +284,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def save(report: dict[str, Any], out: Path) -> None:
     """Writes the JSON and the Markdown table of what the report has so far."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "related_systems.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "related_systems.md").write_text(markdown(report))
+    write_report(out, "related_systems", report, markdown(report), indent=1)
 
 
 # --quick: every method, small (one prompt, a few tokens, a cheap layer self-draft): a smoke check. Prefetch 1: without

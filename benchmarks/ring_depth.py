@@ -18,7 +18,6 @@ Run (root): flock /tmp/bench.lock .venv/bin/python -m benchmarks.ring_depth   (a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from benchmarks import ssd
 from benchmarks.figure_checks import positive
 from benchmarks.memory_cap import evict
 from benchmarks.offload import load_draft
+from benchmarks.report import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring_depth"
 DEFAULT = "default"
@@ -146,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"environment": environment, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "weights_memory": args.weights_memory, "specexec": specexec, "runs": runs,
               "goals": goals(runs, specexec)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ring_depth.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "ring_depth.md").write_text(markdown(report))
+    write_report(args.out, "ring_depth", report, markdown(report), indent=1)
     print(markdown(report), flush=True)
     return 0 if report["goals"].get("all_outputs_identical") else 1
 

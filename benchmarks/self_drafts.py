@@ -31,6 +31,7 @@ import specexec_hf
 from specexec_hf.tools.bench import greedy_continuations, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
 
+from benchmarks.report import write_report
 from benchmarks.tokens_per_forward import dequantized_twin, forward_cost, top1_agreement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "self_drafts"
@@ -149,8 +150,7 @@ def main() -> None:
             info["runs"] = speculative_runs(target, tree_draft, prompts, expected, args.budgets, args.max_new_tokens)
             report["drafts"][name] = info
             print(name, json.dumps(info), flush=True)
-            (args.out / "self_drafts.json").write_text(json.dumps(report, indent=1))
-            (args.out / "self_drafts.md").write_text(markdown(report))
+            write_report(args.out, "self_drafts", report, markdown(report), indent=1)
 
 
 if __name__ == "__main__":

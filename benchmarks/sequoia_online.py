@@ -16,7 +16,6 @@ Run: flock /tmp/bench.lock .venv/bin/python -m benchmarks.sequoia_online [--prom
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -31,6 +30,8 @@ from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
 from specexec_hf.hf.learnt_state import LearntState
 from specexec_hf.tools.bench import pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
+
+from benchmarks.report import table, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sequoia_online"
 
@@ -106,25 +107,19 @@ def main() -> None:
         "prompts": args.prompts, "warmup_prompts": args.warmup_prompts, "max_new_tokens": args.max_new_tokens,
         "minutes": (time.time() - started) / 60, "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sequoia_online.json").write_text(json.dumps(report, indent=1))
     lines = [
         "# Sequoia as a tree policy: tokens per target forward at equal budget (default pair, greedy)",
         "",
         f"`{report['command']}`: {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, after "
         f"{args.warmup_prompts} unmeasured warm-up prompts per method; {torch.get_num_threads()} threads.",
         "",
-        "| budget | method | tokens / target forward | tokens/s | mean tree size | greedy identical | learnt vector |",
-        "|---|---|---|---|---|---|---|",
+        *table(["budget", "method", "tokens / target forward", "tokens/s", "mean tree size", "greedy identical",
+                "learnt vector"],
+               [[row["budget"], row["method"], f"{row['tokens_per_target_forward']:.3f}",
+                 f"{row['tokens_per_second']:.2f}", f"{row['mean_tree_size']:.1f}", row["identical_to_greedy"],
+                 ", ".join(f"{p:.3f}" for p in row.get("acceptance_vector", [])[:4])] for row in rows]),
     ]
-    for row in rows:
-        vector = ", ".join(f"{p:.3f}" for p in row.get("acceptance_vector", [])[:4])
-        lines.append(
-            f"| {row['budget']} | {row['method']} | {row['tokens_per_target_forward']:.3f} | "
-            f"{row['tokens_per_second']:.2f} | {row['mean_tree_size']:.1f} | {row['identical_to_greedy']} | "
-            f"{vector} |"
-        )
-    (args.out / "sequoia_online.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "sequoia_online", report, "\n".join(lines), indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Run: .venv/bin/python -m benchmarks.sequoia_synthetic [--trees 1000]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,8 @@ import torch
 from specexec_hf.core.config import SpecExecConfig
 from specexec_hf.core.search import SearchPolicy, grow_tree, walked_nodes
 from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
+
+from benchmarks.report import table, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sequoia_online"
 VOCAB = 64
@@ -108,18 +109,15 @@ def main() -> None:
                     row["acceptance_vector"] = [round(p, 4) for p in policy.learnt_acceptance()]
                 rows.append(row)
                 print(f"{regime} budget {budget} {method}: {tokens:.3f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join([Path(sys.executable).name, *sys.argv])
-    (args.out / "sequoia_synthetic.json").write_text(json.dumps({"command": command, "trees": args.trees,
-                                                                  "rows": rows}, indent=1))
+    best_first = {(row["regime"], row["budget"]): row["tokens_per_step"] for row in rows
+                  if row["method"] == "specexec best-first"}
     lines = ["# Tree policies on a simulated draft and target: tokens per step", "", f"`{command}`", "",
-             "| regime | budget | method | tokens / step | vs best-first |", "|---|---|---|---|---|"]
-    for row in rows:
-        best_first = next(r for r in rows if r["regime"] == row["regime"] and r["budget"] == row["budget"]
-                          and r["method"] == "specexec best-first")["tokens_per_step"]
-        lines.append(f"| {row['regime']} | {row['budget']} | {row['method']} | {row['tokens_per_step']:.3f} | "
-                     f"{row['tokens_per_step'] / best_first:.3f} |")
-    (args.out / "sequoia_synthetic.md").write_text("\n".join(lines) + "\n")
+             *table(["regime", "budget", "method", "tokens / step", "vs best-first"],
+                    [[row["regime"], row["budget"], row["method"], f"{row['tokens_per_step']:.3f}",
+                      f"{row['tokens_per_step'] / best_first[row['regime'], row['budget']]:.3f}"] for row in rows])]
+    write_report(args.out, "sequoia_synthetic", {"command": command, "trees": args.trees, "rows": rows},
+                 "\n".join(lines), indent=1)
 
 
 if __name__ == "__main__":

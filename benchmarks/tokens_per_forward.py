@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import platform
 import statistics
@@ -53,6 +52,7 @@ from specexec_hf.tools.bench import (
 )
 from specexec_hf.tools.prompts import chat_inputs
 
+from benchmarks.report import write_report
 from benchmarks.timing import forward_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tokens_per_forward"
@@ -253,8 +253,7 @@ def main() -> None:
 
 
 def write(report: dict, args: argparse.Namespace, plot: bool = False) -> None:
-    (args.out / "tokens_per_forward.json").write_text(json.dumps(report, indent=1))
-    (args.out / "tokens_per_forward.md").write_text(markdown(report, args))
+    write_report(args.out, "tokens_per_forward", report, markdown(report, args), indent=1)
     if plot:
         write_plot(report, args.out / "tokens_per_forward.png", args.max_new_tokens)
 

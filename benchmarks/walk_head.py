@@ -19,7 +19,6 @@ Run: .venv/bin/python -m benchmarks.walk_head [--budgets 16 64] [--prompts 8] [-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from contextlib import contextmanager
@@ -33,6 +32,8 @@ from specexec_hf.core.products import head_product
 from specexec_hf.hf import forward
 from specexec_hf.tools.bench import alternating_generations, environment, pick_prompts
 from specexec_hf.tools.prompts import chat_inputs
+
+from benchmarks.report import write_report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "walk_head"
 LIBRARY_HEAD_ROWS = forward._head_rows
@@ -173,9 +174,7 @@ def run_and_write(args: argparse.Namespace, name: str, sections, markdown_of) ->
     env = environment(args)
     report = {"command": env["command"], "environment": env, "threads": args.threads, "repeats": args.repeats,
               **sections(target, draft, tokenizer)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.out / f"{name}.md").write_text(markdown_of(report))
+    write_report(args.out, name, report, markdown_of(report))
     print(markdown_of(report))
 
 

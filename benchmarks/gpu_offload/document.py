@@ -18,7 +18,7 @@ import torch
 from benchmarks.gpu_offload.checks import check_figures
 from benchmarks.gpu_offload.end_to_end import is_rounding_level
 from benchmarks.gpu_offload.projection import GRAPHED
-from benchmarks.report import Goal
+from benchmarks.report import Goal, write_report
 from benchmarks.shapes import GB
 from benchmarks.timing import TIME_SPLIT
 
@@ -292,10 +292,7 @@ def save(report: dict[str, Any], out: Path, tiny: bool) -> None:
     figure checked first (:func:`check_figures`)."""
     report["notes"] = list(dict.fromkeys(report["notes"]))  # each section's process repeats the general ones
     check_figures(report, tiny)
-    staged = out / "gpu_offload.json.part"
-    staged.write_text(json.dumps(report, indent=2, default=str))
-    staged.replace(out / "gpu_offload.json")
-    (out / "gpu_offload.md").write_text(markdown(report))
+    write_report(out, "gpu_offload", report, markdown(report))
     try:
         plot(report, out / "gpu_offload.png")
     except Exception as error:  # a figure is worth less than the numbers: never lose them to it
