@@ -2,7 +2,9 @@
 
 Layers, lowest first (CONTRIBUTING.md): ``core`` (the algorithm) <- ``hf`` (the transformers adapter) <-
 ``models`` / ``offload`` / ``patches`` <- the package facade ``specexec_hf/__init__.py`` <- ``integrations`` <-
-``tools``. A module may import its own layer and the layers below it; imports inside functions count too.
+``tools`` <- ``benchmarks`` (the floor: it may import the library, nothing in the library imports it; within it,
+the shared modules import no benchmark). A module may import its own layer and the layers below it; imports inside
+functions count too. No import cycle anywhere in the repository: the tests, examples and scripts included.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ PACKAGE_DIRS = {
     "specexec_hf": "specexec_hf",
     "specexec_hf.integrations": "integrations",
     "specexec_hf.patches": "patches",
+    "benchmarks": "benchmarks",
 }
 LAYERS = {
     "specexec_hf.core": 0,
@@ -31,7 +34,15 @@ LAYERS = {
     "specexec_hf": 3,
     "specexec_hf.integrations": 4,
     "specexec_hf.tools": 5,
+    "benchmarks": 6,
 }
+# What the benchmarks share (timers, the report writer, model shapes, figure checks, the memory cap, the synthetic
+# pair): each imports the library and the others only, never a benchmark.
+SHARED_BENCHMARK_MODULES = {f"benchmarks.{name}" for name in (
+    "timing", "report", "shapes", "figure_checks", "memory_cap", "synthetic_models")}
+# Folders of loose modules outside the packages: tests import each other by bare name (pytest puts tests/ on the
+# path), examples and scripts are run as files.
+LOOSE_FOLDERS = ("tests", "examples", "scripts")
 CORE_THIRD_PARTY = {"torch"}
 
 Edges = Mapping[str, set[str]]
@@ -43,6 +54,7 @@ def layer_of(module: str) -> str:
 
 
 def discover_modules() -> dict[str, Path]:
+    """The packages' modules by import name (``specexec_hf.*``, ``benchmarks.*``)."""
     modules = {}
     for package, folder in PACKAGE_DIRS.items():
         for path in (ROOT / folder).rglob("*.py"):
@@ -56,14 +68,16 @@ def discover_modules() -> dict[str, Path]:
 def imported_modules(module: str, path: Path, known: Iterable[str]) -> tuple[set[str], set[str]]:
     """``(package modules, other top-level names)`` that ``module`` imports anywhere in its file."""
     known = set(known)
+    roots = {name.split(".")[0] for name in known}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     inside, outside = set(), set()
 
     def add(name: str) -> None:
-        if name == "specexec_hf" or name.startswith("specexec_hf."):
-            while name not in known:  # an attribute imported from a module: the module
+        if name.split(".")[0] in roots:
+            while name and name not in known:  # an attribute imported from a module: the module
                 name = name.rpartition(".")[0]
-            inside.add(name)
+            if name:
+                inside.add(name)
         else:
             outside.add(name.split(".")[0])
 
@@ -120,6 +134,16 @@ def find_cycle(edges: Edges) -> list[str] | None:
     return None
 
 
+def loose_modules() -> dict[str, Path]:
+    """The modules of :data:`LOOSE_FOLDERS` by the name their importers use: a test helper's bare file name
+    (``conftest``, ``vllm_helpers``), ``examples.NAME`` and ``scripts.NAME`` for the rest (nothing imports those)."""
+    modules = {}
+    for folder in LOOSE_FOLDERS:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            modules[path.stem if folder == "tests" else f"{folder}.{path.stem}"] = path
+    return modules
+
+
 @pytest.fixture(scope="module")
 def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     modules = discover_modules()
@@ -152,6 +176,40 @@ def test_imports_point_down_only(graph) -> None:
 def test_no_import_cycles(graph) -> None:
     inside, _ = graph
     assert find_cycle(inside) is None
+
+
+def test_no_import_cycle_anywhere_in_the_repository() -> None:
+    """The packages, the benchmarks, the tests and their helpers, the examples and the scripts: one graph, no cycle."""
+    modules = {**discover_modules(), **loose_modules()}
+    edges = {name: imported_modules(name, path, modules)[0] for name, path in modules.items()}
+    assert {"conftest", "benchmarks.gpu_offload.cli", "specexec_hf.core.tree"} <= set(edges)  # all of it is read
+    assert find_cycle(edges) is None
+
+
+def test_the_library_never_imports_the_benchmarks(graph) -> None:
+    """Benchmarks stand on the library; the library (specexec_hf, integrations, patches) runs without them."""
+    inside, _ = graph
+    library = {source: targets for source, targets in inside.items() if layer_of(source) != "benchmarks"}
+    assert [f"{source} imports {target}" for source, targets in sorted(library.items()) for target in sorted(targets)
+            if layer_of(target) == "benchmarks"] == []
+
+
+def test_shared_benchmark_modules_import_no_benchmark(graph) -> None:
+    inside, _ = graph
+    assert SHARED_BENCHMARK_MODULES <= set(inside)
+    benchmarks_imported = {source: {target for target in inside[source] if layer_of(target) == "benchmarks"}
+                           for source in SHARED_BENCHMARK_MODULES}
+    assert {source: sorted(targets - SHARED_BENCHMARK_MODULES) for source, targets in benchmarks_imported.items()
+            if targets - SHARED_BENCHMARK_MODULES} == {}
+
+
+def test_benchmarks_run_as_modules_of_their_package() -> None:
+    """``python -m benchmarks.NAME``: no module edits ``sys.path`` or loads a file by its path (which gave the
+    scripts a second, cycle-prone way to import each other and the library)."""
+    tricks = ("sys.path.insert", "sys.path.append", "spec_from_file_location")
+    found = [f"{path.relative_to(ROOT)}: {trick}" for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+             for trick in tricks if trick in path.read_text()]
+    assert found == []
 
 
 def test_core_needs_only_torch(graph) -> None:
