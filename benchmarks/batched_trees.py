@@ -17,9 +17,9 @@ target streamed from disk under a RAM cap below its weights (this process in a c
 included, as ``ssd.py`` caps it; root needed): batched >= 2x one by one and >= 1.7x plain batched.
 
 Not a test: the figures depend on the disk, the CPU and the load.
-Run (root):  .venv/bin/python benchmarks/batched_trees.py
+Run (root):  .venv/bin/python -m benchmarks.batched_trees
 Smoke run (tiny random models in memory, no cap, no root; timings meaningless):
-             .venv/bin/python benchmarks/batched_trees.py --tiny --no-cap
+             .venv/bin/python -m benchmarks.batched_trees --tiny --no-cap
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # figure_checks, a sibling script
-from figure_checks import positive  # noqa: E402
-
-import specexec_hf  # noqa: E402
-from specexec_hf import SpecExecStats  # noqa: E402
+import specexec_hf
+from benchmarks.figure_checks import positive
+from specexec_hf import SpecExecStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batched_trees"
 MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
