@@ -113,7 +113,9 @@ def self_draft_run(pair) -> EngineRun:
 
 @pytest.mark.parametrize("module", ["specexec_hf.vllm", "specexec_hf.integrations.vllm"])
 def test_missing_vllm_is_explained(monkeypatch, module):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail as if it were not installed
+    # `import vllm` and `from vllm.x import y` fail as if it were not installed, whatever other modules imported.
+    for name in ["vllm", *(name for name in sys.modules if name.startswith("vllm."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     for name in [name for name in sys.modules if name.startswith(("specexec_hf.vllm", "specexec_hf.integrations."))]:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match=r"needs vLLM: `pip install vllm==0\.33\.0`"):
