@@ -3,6 +3,7 @@ the dynamic cache, the same outputs, no host read added; on CUDA, graph replays 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from unittest import mock
 
@@ -15,7 +16,7 @@ from test_host_syncs import HostReadCounter
 from test_round_search import knobs
 from test_sampling import PROMPT, VOCAB, exact_distribution, processors
 
-from specexec_hf import SpecExecConfig
+from specexec_hf import SpecExecConfig, SpecExecStats
 from specexec_hf.core.round_search import RoundPolicy
 from specexec_hf.core.search import BestFirstPolicy
 from specexec_hf.hf import draft_graphs, generation
@@ -27,6 +28,7 @@ from specexec_hf.hf.draft_graphs import (
     uses_draft_graphs,
 )
 from specexec_hf.hf.forward import Feed
+from specexec_hf.hf.learnt_state import LearntState
 
 STATIC_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -97,17 +99,24 @@ def test_static_logits_equal_the_dynamic_caches_per_node(
 def test_greedy_over_the_static_cache_equals_plain_greedy(
     arch, seed, noise, prompt_length, max_new_tokens, search, knobs
 ):
+    """The output is plain greedy's whatever the draft proposes; the steps (the trees' sizes, what the target accepts)
+    are the dynamic cache's, since the draft's logits are the same (each call learning from scratch)."""
     target = tiny_model(arch, seed=seed, dtype=torch.float32)
     draft = perturbed_copy(target, noise, seed=seed + 1)
     ids = torch.randint(0, 64, (1, prompt_length), generator=torch.Generator().manual_seed(seed))
     expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     policy = {"tree_search": "rounds"} if search == "rounds" else {"draft_ahead": search == "draft_ahead"}
-    with small_buckets(), static_generate():
-        got = target.generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
-            **policy, **knobs,
-        )
-    assert got.tolist() == expected.tolist()
+    steps = {}
+    for static in (False, True):
+        stats = SpecExecStats()
+        with small_buckets(), static_generate() if static else contextlib.nullcontext():
+            got = target.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
+                specexec_stats=stats, learnt_state=LearntState(), **policy, **knobs,
+            )
+        assert got.tolist() == expected.tolist()
+        steps[static] = [(step.tree_size, step.path_length) for step in stats.steps]
+    assert steps[True] == steps[False]
 
 
 def test_sampling_over_the_static_cache_follows_the_targets_distribution():
