@@ -145,6 +145,9 @@ def test_the_static_path_refuses_what_it_cannot_hold_before_allocating():
     assert not uses_draft_graphs("auto", sliding, rounds_search=True)  # the documented fallback: the dynamic cache
     with pytest.raises(ValueError, match="draft_graphs must be one of"):
         uses_draft_graphs("yes", sliding, rounds_search=True)
+    hooked = tiny_model("llama", dtype=torch.float32)
+    hooked.model.layers[0]._hf_hook = object()  # as accelerate's offloading leaves it
+    assert "hooks move its weights in" in static_path_refusal(hooked)
     llama = tiny_model("llama", dtype=torch.float32)
     assert not uses_draft_graphs("auto", llama, rounds_search=True)  # a CPU draft: off unless asked
     assert uses_draft_graphs("on", llama, rounds_search=False)

@@ -73,6 +73,8 @@ def static_path_refusal(model: PreTrainedModel) -> str | None:
     partial = sorted(kind for kind, span in attention_spans(config).items() if not span.is_full)
     if partial:
         return f"it has {', '.join(partial)} layers, whose windows the static cache does not apply"
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "hooks move its weights in around its forward (offloading), which a captured graph would not replay"
     return None
 
 
@@ -241,10 +243,10 @@ class StaticDraftCache(Cache):
         count, length = feed.tokens.numel(), self.length
         pattern = torch.zeros(width, self.capacity, dtype=torch.bool, device=self.device)
         pattern[:count, : length + count] = feed.visibility()
-        padding = torch.arange(count, width, device=self.device)
         # A padding row sees its own slot: a row that sees nothing is NaN under some attention kernels, and a NaN
-        # value in a slot no real row sees would still reach them (0 * NaN) once written there.
-        pattern[padding, length + padding] = True
+        # value in a slot no real row sees would still reach them (0 * NaN) once written there. A fill of a diagonal
+        # view: indexing by a tensor of rows may synchronise.
+        pattern[:, length : length + width].diagonal()[count:] = True
         buffers.mask.copy_(_attention_mask(self.model, pattern[None]))
         buffers.tokens.zero_()
         buffers.tokens[0, :count] = feed.tokens
