@@ -197,15 +197,15 @@ def _rows_to_decode(rows: Sequence[BatchRow], pads_finished: bool) -> list[Batch
     if pads_finished:
         return running
     if not running:
-        end = max(row.stopped_at for row in rows)
+        end = _output_length(rows)
         for row in rows:
             row.limit = end
     return [row for row in rows if row.sequence.shape[1] < row.limit]
 
 
 def _output_length(rows: Sequence[BatchRow]) -> int:
-    """Where plain decoding's batch ends: at the last row's stop."""
-    return max(row.stopped_at for row in rows)
+    """Where plain decoding's batch ends: at the last row's stop (once every row has stopped)."""
+    return max(row.stopped_at for row in rows if row.stopped_at is not None)
 
 
 def _padded_output(rows: Sequence[BatchRow], pad_token_id: int | None) -> torch.Tensor:

@@ -66,36 +66,49 @@ def _compact(cache: DynamicCache, moves: Sequence[tuple[slice, int, torch.Tensor
     """Per ``(rows, keep_prefix, slots)``: those rows' entries at ``slots`` moved down behind their first
     ``keep_prefix``; then every layer cut to the longest kept row."""
     kept = max(prefix + slots.numel() for _, prefix, slots in moves)
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise TypeError(
-                f"SpecExec compacts full DynamicCache layers only (see new_cache), got {type(layer).__name__}."
-            )
-        if not layer.is_initialized:
+    for layer in _full_layers(cache):
+        keys, values = layer.keys, layer.values
+        if keys is None or values is None:  # not initialized
             continue
         for rows, prefix, slots in moves:
             if slots.numel():
-                slots = slots.to(layer.keys.device)
+                slots = slots.to(keys.device)
                 end = prefix + slots.numel()
-                layer.keys[rows, ..., prefix:end, :] = layer.keys[rows, ..., slots, :]
-                layer.values[rows, ..., prefix:end, :] = layer.values[rows, ..., slots, :]
-        layer.keys = layer.keys[..., :kept, :]
-        layer.values = layer.values[..., :kept, :]
+                keys[rows, ..., prefix:end, :] = keys[rows, ..., slots, :]
+                values[rows, ..., prefix:end, :] = values[rows, ..., slots, :]
+        layer.keys, layer.values = keys[..., :kept, :], values[..., :kept, :]
     recorded = _slot_positions.get(cache)
     if recorded is not None:
-        recorded = recorded.clone()
+        positions = recorded.clone()
         for rows, prefix, slots in moves:
-            recorded[rows, prefix : prefix + slots.numel()] = recorded[rows, slots.to(recorded.device)]
-        _slot_positions[cache] = recorded[:, :kept]
+            positions[rows, prefix : prefix + slots.numel()] = positions[rows, slots.to(positions.device)]
+        _slot_positions[cache] = positions[:, :kept]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor, length: int) -> None:
     """Keeps batch ``rows`` of ``cache`` (in that order) and its first ``length`` slots: sequences that left a
     shared batch cache take their rows with them."""
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.keys = layer.keys[rows.to(layer.keys.device), ..., :length, :]
-            layer.values = layer.values[rows.to(layer.values.device), ..., :length, :]
+    for layer in _full_layers(cache):
+        keys, values = layer.keys, layer.values
+        if keys is not None and values is not None:  # an initialized layer
+            layer.keys = keys[rows.to(keys.device), ..., :length, :]
+            layer.values = values[rows.to(values.device), ..., :length, :]
     recorded = _slot_positions.get(cache)
     if recorded is not None:
         _slot_positions[cache] = recorded[rows.to(recorded.device), :length]
+
+
+def _full_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, every one a full :class:`DynamicLayer` (as :func:`new_cache` makes them).
+
+    Raises:
+        TypeError: for any other layer, whose entries SpecExec cannot move.
+    """
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(
+                f"SpecExec compacts full DynamicCache layers only (see new_cache), got {type(layer).__name__}."
+            )
+        layers.append(layer)
+    return layers

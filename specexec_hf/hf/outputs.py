@@ -101,8 +101,11 @@ class OutputRecorder:
             )
         )
 
-    def output(self, sequence: torch.Tensor, cache: DynamicCache) -> SpecExecDecoderOnlyOutput | torch.Tensor:
-        """What ``generate()`` returns: the sequence alone, or with what was recorded."""
+    def output(
+        self, sequence: torch.Tensor, cache: DynamicCache | None
+    ) -> SpecExecDecoderOnlyOutput | torch.Tensor:
+        """What ``generate()`` returns: the sequence alone, or with what was recorded (``cache``: the target's, or
+        ``None`` where its layout is SpecExec's own, a batch's shared cache)."""
         config = self.config
         if not config.return_dict_in_generate:
             return sequence

@@ -101,11 +101,13 @@ class BatchTreeScorer:
         ]
         packed = pack_rows(
             [feed.tokens for feed in feeds], [feed.positions for feed in feeds],
-            [feed.span_positions for feed in feeds], [feed.visible for feed in feeds], self.cached, width,
+            [feed.positions if feed.span_positions is None else feed.span_positions for feed in feeds],
+            [feed.visibility() for feed in feeds], self.cached, width,
         )
         longest = packed.tokens.shape[1]
         extra_inputs = {
-            name: padded_stack([feed.extra_inputs[name] for feed in feeds], longest) for name in feeds[0].extra_inputs
+            name: padded_stack([(feed.extra_inputs or {})[name] for feed in feeds], longest)
+            for name in feeds[0].extra_inputs or {}
         }
         kwargs = forward_inputs(
             self.model, packed.tokens, packed.positions, self.cache, packed.visible, extra_inputs, packed.span_positions
