@@ -48,8 +48,8 @@ DRAFT_GRAPHS_MODES = ("auto", "on", "off")
 FIRST_CAPACITY = 256
 """The smallest cache capacity allocated, in tokens."""
 DEFAULT_MAX_CAPACITY = 1 << 15
-"""The largest cache capacity, in tokens (history and one tree's fed nodes): 1 GiB for a Llama-3.2-1B-shaped draft
-in bfloat16."""
+"""The largest cache capacity, in tokens, of a draft whose config names no ``max_position_embeddings``: 1 GiB for a
+Llama-3.2-1B-shaped draft in bfloat16."""
 MAX_GRAPHED_WIDTH = 256
 """The widest feed padded and graphed; a wider one (a prompt's prefill) runs eagerly, once per prompt."""
 WARMUP_FORWARDS = 2
@@ -126,11 +126,13 @@ class StaticDraftCache(Cache):
     Args:
         model: The draft; its config sizes the buffers, its execution device holds them.
         max_capacity: The most tokens the cache may hold (the history and one tree's fed nodes, plus a feed's
-            padding); a forward that needs more raises before allocating.
+            padding); a forward that needs more raises before allocating. ``None``: the draft's
+            ``max_position_embeddings`` and the widest padded feed, so any history the draft can take fits (only the
+            capacity buckets a history reaches are allocated).
         capture: Replay each shape as a CUDA graph; ``None``: when the draft runs on CUDA.
     """
 
-    def __init__(self, model: PreTrainedModel, max_capacity: int = DEFAULT_MAX_CAPACITY, capture: bool | None = None):
+    def __init__(self, model: PreTrainedModel, max_capacity: int | None = None, capture: bool | None = None):
         super().__init__(layers=[])
         refusal = static_path_refusal(model)
         if refusal is not None:
@@ -141,10 +143,13 @@ class StaticDraftCache(Cache):
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs capture CUDA work; this draft runs on {self.device}: pass capture=False.")
+        config = model.config.get_text_config(decoder=True)
+        if max_capacity is None:
+            positions = getattr(config, "max_position_embeddings", None)
+            max_capacity = DEFAULT_MAX_CAPACITY if positions is None else positions + MAX_GRAPHED_WIDTH
         self.max_capacity = max_capacity
         self.length = 0
         self.capacity = 0
-        config = model.config.get_text_config(decoder=True)
         self._layers = config.num_hidden_layers
         self._kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
