@@ -268,14 +268,15 @@ class StaticDraftCache(Cache):
                 input_ids=buffers.tokens, position_ids=buffers.positions, past_key_values=self,
                 attention_mask=buffers.mask, use_cache=True, logits_to_keep=keep,
             )
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     def _replay(self, buffers: _ShapeBuffers, scored_columns: bool) -> torch.Tensor:
         """Replays the graph of ``buffers``' shape, capturing it first; returns its output buffer."""
         key = (buffers.tokens.shape[1], scored_columns)
         if key not in self._graphs:
             # The warm-up forwards write the same keys to the same slots as the replay will: nothing else changes.
-            side = torch.cuda.Stream(self.device)
+            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_FORWARDS):
