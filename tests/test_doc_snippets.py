@@ -33,11 +33,15 @@ REQUIRES = re.compile(r"^[ \t]*# requires: *(?P<names>.+?) *$", re.M)
 DEFAULT_PAIR_CALL = re.compile(r"\b(load_default_pair|load_default_target|export_default_pair|default_target_dir)\(")
 # What a block may say it needs, and how the test treats it: marks (a `cuda` block runs where a GPU is) or a skip
 # with the reason.
-REQUIREMENTS: dict[str, pytest.MarkDecorator] = {
-    "cuda": pytest.mark.cuda,
-    "vllm": pytest.mark.skip(
-        reason="starts a vLLM engine (minutes on a CPU); tests/test_vllm.py and tests/test_vllm_offload.py start "
-        "engines with these settings"
+REQUIREMENTS: dict[str, tuple[pytest.MarkDecorator, ...]] = {
+    "cuda": (pytest.mark.cuda,),
+    # Marked vllm too, so the default run deselects it rather than reporting the skip.
+    "vllm": (
+        pytest.mark.vllm,
+        pytest.mark.skip(
+            reason="starts a vLLM engine (minutes on a CPU); tests/test_vllm.py and tests/test_vllm_offload.py start "
+            "engines with these settings"
+        ),
     ),
 }
 PROMPT = "the quick brown fox"
@@ -76,7 +80,7 @@ def snippets() -> list[Snippet]:
 
 
 def with_marks(snippet: Snippet) -> Any:
-    marks = [REQUIREMENTS[name] for name in sorted(snippet.requires) if name in REQUIREMENTS]
+    marks = [mark for name in sorted(snippet.requires) if name in REQUIREMENTS for mark in REQUIREMENTS[name]]
     if DEFAULT_PAIR_CALL.search(re.sub(r"#.*", "", snippet.code)):  # a call, not a comment naming one
         marks.append(pytest.mark.slow)
     return pytest.param(snippet, marks=marks, id=snippet.name)
