@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 import specexec_hf
-from benchmarks.figure_checks import positive
 from specexec_hf import SpecExecStats
+
+from benchmarks.figure_checks import positive
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batched_trees"
 MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
