@@ -161,11 +161,13 @@ def test_a_row_finishing_at_its_first_token_is_padded(llama_pair):
     assert got[0, ids.shape[1]] == first
 
 
-def test_a_pipeline_batch_matches_the_plain_pipeline():
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_a_pipeline_batch_matches_the_plain_pipeline(padding_side):
+    """Right padding leaves masked tokens inside the prompts, which plain decoding keeps in its cache unseen."""
     target = tiny_model("llama", seed=4)
     draft = perturbed_copy(target, 0.05, seed=5)
     tokenizer = tiny_tokenizer()
-    tokenizer.padding_side = "left"
+    tokenizer.padding_side = padding_side
     texts = ["hello there", "good", "a longer prompt here"]
     generator = pipeline("text-generation", model=target, tokenizer=tokenizer)
     kwargs = {"batch_size": 3, "max_new_tokens": 8, "do_sample": False}
@@ -211,6 +213,17 @@ def test_settings_a_batch_does_not_run_yet_are_refused_by_name(llama_pair, setti
     ids, mask = left_padded(random_prompts(1, [3, 4]))
     with pytest.raises(ValueError, match="over a batch of prompts yet"):
         specexec(target, draft, ids, mask, max_new_tokens=4, **setting)
+
+
+def test_a_step_budget_caps_one_sequences_tree(llama_pair):
+    target, draft = llama_pair
+    stats = SpecExecStats()
+    got = target.generate(
+        PROMPT, max_new_tokens=8, do_sample=False, assistant_model=draft, speculator="specexec", budget=16,
+        step_budget=3, specexec_stats=stats,
+    )
+    assert got.tolist() == target.generate(PROMPT, max_new_tokens=8, do_sample=False).tolist()
+    assert max(step.tree_size for step in stats.steps) == 3 + 1
 
 
 def test_a_step_budget_that_is_not_a_positive_integer_is_refused(llama_pair):
