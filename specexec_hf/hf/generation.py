@@ -84,7 +84,12 @@ def generate(
 
     Args:
         model: The target causal LM.
-        input_ids: ``[1, L]`` prompt.
+        input_ids: ``[batch, L]`` prompts, left-padded as a tokenizer pads them (``attention_mask`` in
+            ``model_kwargs``). A batch of several decodes every row's tree in one target forward per step
+            (:mod:`~.batch`); each row's output is the one its prompt alone would give, and the batch comes back
+            as batched plain decoding returns it. Not yet with ``budget="auto"``, ``draft_ahead``,
+            ``intermediate_model`` or per-token outputs (scores, logits, hidden states, attentions); the returned
+            ``past_key_values`` are then ``None``.
         logits_processor: Prepared by ``generate()``; applied to every verified node (see ``TreeLogitsProcessor``).
         stopping_criteria: Prepared by ``generate()``; checked after every committed token.
         generation_config: ``do_sample`` picks sampling vs greedy; ``return_dict_in_generate``, ``output_scores``
@@ -118,6 +123,11 @@ def generate(
             that support them (``ranks_children``, ``draws_children``). ``"sequoia"`` by name learns its acceptance
             vector in ``learnt_state``, so calls with the same draft go on learning (a ``SequoiaSearch`` object keeps
             its own) and, with ``budget="auto"``, picks each tree's size and depth from the measured forward times.
+        step_budget: Tree nodes (roots excluded) one target forward verifies over all the batch's rows, given where
+            the trees' ranking forecasts the most accepted tokens
+            (:func:`~specexec_hf.core.step_budget.kept_nodes`, as the vLLM integration's step budget); each row
+            still grows a tree of ``budget`` nodes. ``None``: every row's whole tree. For one prompt it caps
+            ``budget``.
         learnt_state: Where the acceptance maps, the acceptance vector of a Sequoia policy chosen by name and
             ``budget="auto"``'s estimates are read and taught; ``None``: the state the draft carries
             (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep learning. Pass a separate
