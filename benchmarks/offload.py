@@ -161,7 +161,7 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         }
         if "tokens_per_target_forward" in group[0]:
             entry["tokens_per_target_forward"] = statistics.mean(row["tokens_per_target_forward"] for row in group)
-            entry["draft_share"] = sum(row["draft_seconds"] for row in group) / sum(row["seconds"] for row in group)
+            entry["draft_share"] = sum(row["tree_seconds"] for row in group) / sum(row["seconds"] for row in group)
         summary[key] = entry
     return summary
 

@@ -412,9 +412,10 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         if all("target_forwards" in row for row in group):
             entry["tokens_per_target_forward"] = tokens / sum(row["target_forwards"] for row in group)
         steps = sum(row.get("target_forwards", 0) for row in group)
-        for key in ("draft_seconds", "verify_seconds"):  # SpecExec rows; reports before verify_seconds lack it
+        # SpecExec's own clocks (SpecExec rows only): growing its trees, and verifying them.
+        for figure, key in (("draft_seconds_per_step", "tree_seconds"), ("verify_seconds_per_step", "verify_seconds")):
             if steps and all(key in row for row in group):
-                entry[f"{key}_per_step"] = sum(row[key] for row in group) / steps
+                entry[figure] = sum(row[key] for row in group) / steps
         if all("tree_sizes" in row for row in group):
             entry["mean_tree_size"] = statistics.mean(size for row in group for size in row["tree_sizes"])
         if "tokens_per_target_forward" in entry:

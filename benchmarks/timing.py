@@ -122,7 +122,8 @@ def timed_generate(
 ) -> dict[str, Any]:
     """One ``generate()``, greedy unless ``kwargs`` say ``do_sample=True``: new tokens, seconds, forward counts of the
     target and of any draft, and the seconds spent in each one's forwards (:data:`TIME_SPLIT`; on CUDA by CUDA events,
-    elsewhere by host clocks); with SpecExec also its tokens per target forward, verification seconds and tree sizes.
+    elsewhere by host clocks); with SpecExec also its tokens per target forward, its trees' sizes and its own clocks:
+    ``tree_seconds`` growing the trees (the draft's forwards and the search between them) and ``verify_seconds``.
     """
     stats = specexec_hf.SpecExecStats() if kwargs.get("speculator") else None
     draft = kwargs.get("assistant_model")
@@ -143,8 +144,8 @@ def timed_generate(
     row["host_seconds"] = seconds - row["target_seconds"] - row["draft_seconds"]
     if stats is not None:
         row.update(target_forwards=stats.target_forwards, draft_forwards=stats.draft_forwards,
-                   tokens_per_target_forward=stats.tokens_per_target_forward, verify_seconds=stats.target_seconds,
-                   tree_sizes=[step.tree_size for step in stats.steps])
+                   tokens_per_target_forward=stats.tokens_per_target_forward, tree_seconds=stats.draft_seconds,
+                   verify_seconds=stats.target_seconds, tree_sizes=[step.tree_size for step in stats.steps])
     else:
         row.update(target_forwards=target_meter.calls, draft_forwards=draft_meter.calls if draft_meter else 0)
     return row

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 from benchmarks import figure_checks, shapes, timing
+from benchmarks.report import Goal, goals_by_key
 from benchmarks.gpu_offload import checks, cli, disk, document, end_to_end, forward, placement, projection
 from specexec_hf import SpecExecConfig
 from specexec_hf.offload import layer_streamer
@@ -281,8 +282,10 @@ def test_projection_divides_tokens_per_forward_by_target_plus_draft_time():
     assert rows["plain generate"]["tokens_per_second"] == pytest.approx(1 / 0.5)
     assert rows["SpecExec budget 256"]["tokens_per_second"] == pytest.approx(4.0 / (0.7 + 50 * 0.004))
     assert rows["HF assisted"]["tokens_per_second"] == pytest.approx(2.0 / (0.5 + 1 * 0.01))
-    ratios = projection.ratios({"executors": {"stream": rows}})
-    assert ratios["SpecExec budget 256 (stream) vs plain generate (stream)"] == pytest.approx(4.0 / 0.9 / 2)
+    ratios = goals_by_key(map(Goal.from_json, projection.ratios({"executors": {"stream": rows}})))
+    assert ratios["specexec_over_plain_stream"].measured == pytest.approx(4.0 / 0.9 / 2)
+    assert ratios["specexec_over_plain_stream"].claim == "SpecExec budget 256 (stream) vs plain generate (stream)"
+    assert ratios["specexec_over_assisted_stream"].bound == 2.0  # issue #32: >= 5x plain, >= 2x HF assisted
 
 
 def test_published_figures_are_normalised_only_where_the_source_gives_a_transfer_time():
@@ -351,11 +354,11 @@ def test_graphed_rows_swap_the_eager_feed_for_the_replay_and_count_for_no_goal()
     rows = projection.project(shape, draft, rates)["executors"]["stream"]
     graphed = rows[f"{projection.GRAPHED} SpecExec budget 256"]
     assert graphed["draft_seconds"] == pytest.approx(50 * (0.014 - 0.012 + 0.002))
-    ratios = projection.ratios({"executors": {"stream": rows}})
-    built = ratios["SpecExec budget 256 (stream) vs plain generate (stream)"]
-    assert built == pytest.approx(4.0 / (0.7 + 50 * 0.014) * 0.5)
-    unbuilt = [value for key, value in ratios.items() if "unbuilt" in key]
-    assert unbuilt == [pytest.approx(4.0 / (0.7 + 50 * 0.004) * 0.5)]
+    ratios = goals_by_key(map(Goal.from_json, projection.ratios({"executors": {"stream": rows}})))
+    assert ratios["specexec_over_plain_stream"].measured == pytest.approx(4.0 / (0.7 + 50 * 0.014) * 0.5)
+    unbuilt = [goal for key, goal in ratios.items() if key.startswith("unbuilt_")]
+    assert [goal.measured for goal in unbuilt] == [pytest.approx(4.0 / (0.7 + 50 * 0.004) * 0.5)]
+    assert "an unbuilt path: no goal" in unbuilt[0].claim
     del draft["tree_feed"]["cuda_graph_seconds"]
     assert set(projection.project(shape, draft, rates)["executors"]["stream"]) == {"plain generate",
                                                                                   "SpecExec budget 256"}

@@ -54,8 +54,8 @@ def test_long_prompts_put_the_question_after_a_document_of_at_least_the_tokens_a
 
 
 def rows() -> list[dict]:
-    def row(mode, method, tokens, seconds, forwards, equal, draft_seconds=None):
-        extra = {} if draft_seconds is None else {"draft_seconds": draft_seconds}
+    def row(mode, method, tokens, seconds, forwards, equal, tree_seconds=None):
+        extra = {} if tree_seconds is None else {"tree_seconds": tree_seconds}
         return {"prompt": 0, "mode": mode, "method": method, "tokens": [1] * tokens, "seconds": seconds,
                 "target_forwards": forwards, "equals_plain_greedy": equal, **extra}
 

@@ -40,10 +40,10 @@ def test_goals_and_projection_from_measured_rows():
         {"method": "plain generate", "tokens": [1] * 8, "seconds": 4.0, "target_forwards": 8, "equals_plain_greedy": True},
         {"method": "HF assisted (defaults)", "tokens": [1] * 8, "seconds": 2.0, "target_forwards": 4,
          "equals_plain_greedy": True},
-        {"method": "SpecExec budget 16", "tokens": [1] * 8, "seconds": 1.0, "target_forwards": 2, "draft_seconds": 0.2,
+        {"method": "SpecExec budget 16", "tokens": [1] * 8, "seconds": 1.0, "target_forwards": 2, "tree_seconds": 0.2,
          "verify_seconds": 0.7, "equals_plain_greedy": True},
         {"method": "SpecExec budget auto", "tokens": [1] * 8, "seconds": 1.25, "target_forwards": 2,
-         "draft_seconds": 0.2, "verify_seconds": 0.9, "equals_plain_greedy": False},
+         "tree_seconds": 0.2, "verify_seconds": 0.9, "equals_plain_greedy": False},
     ]
     methods = ssd.summarize(rows)
     assert methods["SpecExec budget 16"]["tokens_per_target_forward"] == 4

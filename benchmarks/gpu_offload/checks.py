@@ -217,7 +217,7 @@ def remake_projections(report: dict[str, Any], tiny: bool, audit: FigureAudit) -
                 name = f"{projection['shape']}, {executor}, {method}"
                 if not audit.passes("projection", partial(check_projected_row, name, rows[method])):
                     projection.setdefault("withheld", {})[f"{executor}: {method}"] = rows.pop(method)
-        projection["ratios"] = {}
+        projection["ratios"] = []
         audit.passes("projection", lambda: projection.update(ratios=ratios(projection)))
         report["projections"].append(projection)
         for row in published_comparison(projection, shape_result, link_gbps)[: -len(PUBLISHED)]:

@@ -190,7 +190,7 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {executor} | {method} | {row['tokens_per_second']:.2f} | "
                              f"{row['target_seconds']:.3f} | {row.get('draft_seconds', 0):.3f} | "
                              f"{row.get('tokens_per_target_forward', 1):.2f} |")
-        lines += [""] + [f"- {name}: {value:.2f}x" for name, value in projection["ratios"].items()] + [""]
+        lines += [""] + [Goal.from_json(goal).line() for goal in projection["ratios"]] + [""]
     if report.get("published"):
         lines += ["## Published figures, normalised by link speed", "",
                   "Tokens per weight-stream time = tokens/s x seconds to move the weights once over the link.", "",
