@@ -6,8 +6,6 @@ import copy
 import importlib
 import importlib.util
 import os
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -26,8 +24,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 def importable(name: str) -> bool:
     """Whether module ``name`` is installed; ``find_spec("optimum.quanto")`` itself raises when ``optimum`` is not.
@@ -42,10 +38,8 @@ def importable(name: str) -> bool:
 
 
 def benchmark_script(name: str) -> ModuleType:
-    """A script of benchmarks/ as a module (the scripts import each other from their own folder)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module(name)
+    """The module ``benchmarks.<name>`` of the benchmarks package (the repository root is on pytest's path)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the threads' spin-waits
