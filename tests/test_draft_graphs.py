@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import chi_square_p, perturbed_copy, tiny_model
+from conftest import DEVICES, chi_square_p, perturbed_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from test_host_syncs import HostReadCounter
@@ -19,6 +19,7 @@ from test_sampling import PROMPT, VOCAB, exact_distribution, processors
 from specexec_hf import SpecExecConfig, SpecExecStats
 from specexec_hf.core.round_search import RoundPolicy
 from specexec_hf.core.search import BestFirstPolicy
+from specexec_hf.core.uploads import upload
 from specexec_hf.hf import draft_graphs, generation
 from specexec_hf.hf.candidate_generator import SpecExecCandidateGenerator
 from specexec_hf.hf.draft_cache import DraftCache, forward_feeds
@@ -191,3 +192,15 @@ def test_graph_replays_equal_eager_forwards_without_a_host_sync():
             assert counter.total <= 3, counter.sites
             history = torch.cat([history, got.tree.tokens[got.tree.best_path()[:2]][None]], dim=-1)
     assert len(replays) >= 8, replays
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uploads_reach_the_device_without_a_sync(device):
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # a copy from pageable memory would raise here
+    try:
+        uploaded = upload([3, 1, 2], torch.long, device)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert uploaded.device.type == device and uploaded.tolist() == [3, 1, 2]

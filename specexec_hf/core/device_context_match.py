@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from .tree import TokenTree
+from .uploads import upload
 
 NO_TOKEN = -1
 """Stands for a context token before the start of the history: no history token equals it."""
@@ -46,7 +47,7 @@ class DeviceContextMatch:
     def sync(self, history: Sequence[int]) -> None:
         """Takes the next tree's history (its last token the root), in one copy to the device."""
         distinct = sorted(set(history[1:]))
-        both = torch.tensor([*history, *distinct], dtype=torch.long, device=self.device)
+        both = upload([*history, *distinct], torch.long, self.device)
         self.history, self.distinct_followers = both[: len(history)], both[len(history) :]
         self._columns = None
 

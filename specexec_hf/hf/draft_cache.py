@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..core.tree import TokenTree
+from ..core.uploads import upload
 from .compat import execution_device
 from .draft_graphs import StaticDraftCache
 from .forward import Feed, batch_logits, model_logits
@@ -81,7 +82,7 @@ class DraftCache:
                 if node < 0 or node >= len(slots) or slots[node] < 0:
                     break
                 accepted_slots.append(slots[node])
-        _compact(self.cache, keep, _uploaded(accepted_slots, self.device))
+        _compact(self.cache, keep, upload(accepted_slots, torch.long, self.device))
         self.cached_ids = history[: keep + len(accepted_slots)]
         self._pool = None
 
@@ -148,7 +149,7 @@ class DraftCache:
         if self._pool is None:
             device = self.device
             self._fed_rows = torch.zeros(1, 0, dtype=torch.bool, device=device)
-            pending = _uploaded(history[len(self.cached_ids) :], device)
+            pending = upload(history[len(self.cached_ids) :], torch.long, device)
             positions = torch.arange(len(self.cached_ids), len(history), device=device)
             return Feed(self.cache, pending, positions, None, 1)
         committed = len(self.cached_ids)
@@ -186,16 +187,6 @@ class DraftCache:
             fed_from = self.cache.get_seq_length() - nodes.numel()
             slots[nodes] = torch.arange(fed_from, fed_from + nodes.numel(), device=pool.device)
         self._pool, self._pool_slots = pool, slots
-
-
-def _uploaded(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor of ``values`` on ``device``, copied there without making the host wait: a copy from pageable host
-    memory synchronises a CUDA stream, one from pinned memory does not (the pinned block is not reused before the
-    copy has run)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _compact(cache: DynamicCache | StaticDraftCache, keep_prefix: int, slots: torch.Tensor) -> None:
