@@ -22,12 +22,6 @@ def specexec(target, draft, ids=IDS, **kwargs):
     return target.generate(ids, assistant_model=draft, speculator="specexec", **kwargs)
 
 
-def test_batch_larger_than_one(llama_pair):
-    target, draft = llama_pair
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        specexec(target, draft, ids=IDS.repeat(2, 1))
-
-
 def test_mismatched_tokenizers(llama_pair):
     target, draft = llama_pair
     with pytest.raises(ValueError, match="draft's tokenizer is not the target's: compared by vocabulary"):
