@@ -22,7 +22,7 @@ from specexec_hf.core.search import BestFirstPolicy
 from specexec_hf.core.uploads import upload
 from specexec_hf.hf import draft_graphs, generation
 from specexec_hf.hf.candidate_generator import SpecExecCandidateGenerator
-from specexec_hf.hf.draft_cache import DraftCache, forward_feeds
+from specexec_hf.hf.draft_cache import DraftCache, forward_feeds, scored_columns
 from specexec_hf.hf.draft_graphs import (
     StaticDraftCache,
     static_path_refusal,
@@ -30,6 +30,7 @@ from specexec_hf.hf.draft_graphs import (
 )
 from specexec_hf.hf.forward import Feed
 from specexec_hf.hf.learnt_state import LearntState
+from specexec_hf.models.vocab import restrict_draft_vocabulary
 
 STATIC_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -55,26 +56,29 @@ def static_generate():
     width=st.integers(1, 12),
     rounds=st.one_of(st.none(), st.integers(1, 5)),
     accepted=st.lists(st.integers(0, 2**16), min_size=1, max_size=4),
+    subset_head=st.booleans(),
 )
 def test_static_logits_equal_the_dynamic_caches_per_node(
-    arch, attention, seed, prompt_length, budget, width, rounds, accepted
+    arch, attention, seed, prompt_length, budget, width, rounds, accepted, subset_head
 ):
     """Two draft caches, one static, fed the same trees in lockstep: every draft forward's logits per node agree
     (float32 rounding), over trees that keep accepted nodes, grow the capacity and feed histories both padded and
     wide."""
     draft = tiny_model(arch, seed=seed, dtype=torch.float32, attn_implementation=attention)
+    if subset_head:  # a head scoring every other token: the graph keeps the head's output width
+        draft = restrict_draft_vocabulary(draft, torch.arange(0, 64, 2))
     config = SpecExecConfig(budget=budget, expand_per_forward=width, max_branch=3)
     policy = RoundPolicy(rounds) if rounds is not None else BestFirstPolicy()
     generator = torch.Generator().manual_seed(seed)
     history = torch.randint(0, 64, (prompt_length,), generator=generator).tolist()
-    with small_buckets(), torch.no_grad():
+    with small_buckets(), torch.no_grad(), scored_columns(draft) as columns:
         dynamic, static = DraftCache(draft), DraftCache(draft, static=True)
         for walked in accepted:
             dynamic.sync(history)
             static.sync(history)
             search = policy.start(history[-1], config)
             while (nodes := search.next_nodes()) is not None:
-                expected, got = (forward_feeds(draft, [cache.feed(search.pool, nodes)])[0]
+                expected, got = (forward_feeds(draft, [cache.feed(search.pool, nodes)], columns)[0]
                                  for cache in (dynamic, static))
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
                 dynamic.record_feed(search.pool, nodes)
