@@ -150,7 +150,10 @@ def test_position_independent_ratio_matches_closed_forms() -> None:
     accepted the best tree is that chain, so the ratio is the deeper chain's over the best given chain."""
     tokens_per_forward = benchmark_script("tokens_per_forward")
     a = 0.8
-    chain = lambda n: sum(a**k for k in range(n + 1))
+
+    def chain(n: int) -> float:
+        return sum(a**k for k in range(n + 1))
+
     assert tokens_per_forward.position_independent_ratio([a], 64, [4, 16]) == pytest.approx(chain(64) / chain(16))
     assert tokens_per_forward.position_independent_ratio([1.0], 256, [16, 32]) == pytest.approx(257 / 33)
     # A second rank worth accepting makes the tree bushier and better than any chain of the same size.
