@@ -290,6 +290,5 @@ class StaticDraftCache(Cache):
                 output = self._forward(buffers)
             self._graphs[key] = (graph, output)
         graph, output = self._graphs[key]
-        self._slots = buffers.slots
-        graph.replay()
+        graph.replay()  # reads the buffers and writes the slots it was captured with
         return output
