@@ -236,14 +236,13 @@ def test_a_step_budget_that_is_not_a_positive_integer_is_refused(llama_pair):
 @pytest.mark.parametrize("settings", [{"temperature": 0.5}, {"temperature": 1.2, "top_p": 0.7}],
                          ids=["temperature", "top_p"])
 def test_each_rows_samples_follow_the_targets_distribution(settings):
-    """Rows 0 and 1 continue PROMPT (row 1 with left padding: row 2's prompt is longer), each sampled exactly."""
+    """Row 0 continues its own prompt, row 1 PROMPT; both left-padded, row 2's prompt being longer."""
     target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
     draft = perturbed_copy(target, 0.3, seed=12)
-    ids, mask = left_padded([PROMPT, PROMPT, torch.tensor([[4, 1, 1, 3, 0, 2]])])
-    ids[0, 0] = 3  # row 0: PROMPT after one more token, to give it a distribution of its own
-    mask[0, 0] = 1
+    own_prompt = torch.cat([torch.tensor([[3]]), PROMPT], dim=-1)
+    ids, mask = left_padded([own_prompt, PROMPT, torch.tensor([[4, 1, 1, 3, 0, 2]])])
     distributions = [
-        exact_distribution_after(target, processors(settings), ids[0:1]),
+        exact_distribution_after(target, processors(settings), own_prompt),
         exact_distribution(target, processors(settings)),
     ]
     torch.manual_seed(2024)
