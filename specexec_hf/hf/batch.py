@@ -33,6 +33,7 @@ from ..core.step_budget import kept_nodes
 from ..core.verify import acceptance_walk
 from .candidate_generator import SpecExecCandidateGenerator, grow_trees
 from .decoder import ChoiceRule, StepOutcome, TargetChoice
+from .offload_hint import ReadAheadWatch
 from .outputs import OutputRecorder, commit_tokens
 from .request import Request
 from .tree_scorer import BatchTreeScorer
@@ -166,6 +167,7 @@ def decode_batch(
     decoder = BatchDecoder(model, rows, rule, step_budget)
     streamed = rows[0].sequence.shape[1]  # generate() streamed the prompts
     live = list(rows)
+    watch = None
     while live:
         outcomes, draft_calls = decoder.step()
         counts = []
@@ -182,11 +184,15 @@ def decode_batch(
             counts.append(count)
         decoder.keep(outcomes, counts)
         recorder.stats.steps.append(_batch_step_stats(outcomes, counts, draft_calls))
+        if watch is None:  # from the second step on: the first one's forwards include the prompts'
+            watch = ReadAheadWatch(model, recorder.stats.steps)
         live = _rows_to_decode(rows, pads_finished)
         if len(live) < len(decoder.rows):
             decoder.keep_rows(live)
         if streamer is not None:
             streamed = _stream_columns(streamer, rows, live, streamed, pad_token_id)
+    if watch is not None:
+        watch.finish()
     return _padded_output(rows, pad_token_id)
 
 
