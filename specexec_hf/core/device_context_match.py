@@ -75,12 +75,12 @@ class DeviceContextMatch:
         windows = self.history.numel() - 1
         padded = torch.cat([self.history.new_full((self.max_order,), NO_WINDOW), self.history[:-1]])
         matched = torch.ones(contexts.shape[0], windows, dtype=torch.bool, device=self.device)
-        by_order = []
+        per_order = []
         for back in range(self.max_order):
             shifted = padded[self.max_order - back : self.max_order - back + windows]
             matched = matched & (shifted[None] == contexts[:, -1 - back, None])
-            by_order.append(matched)
-        by_order = torch.stack(by_order)  # [max_order, n, windows]
+            per_order.append(matched)
+        by_order = torch.stack(per_order)  # [max_order, n, windows]
         found = by_order.any(-1).T  # [n, max_order]
         lengths = torch.arange(1, self.max_order + 1, device=self.device)
         orders = (found * lengths).amax(-1)

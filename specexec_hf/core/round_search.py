@@ -78,9 +78,9 @@ class RoundSearch:
                 f"A round search needs at least one round per batch (the root's) and no negative count of extensions, "
                 f"got rounds={rounds}, extension_rounds={extension_rounds} and extensions={extensions}."
             )
-        self.budget = config.budget
+        self.budget = config.resolved_budget
         self.branch = config.max_branch
-        self.width = min(config.expand_per_forward, config.budget)
+        self.width = min(config.expand_per_forward, self.budget)
         self.min_draft_gain = config.min_draft_gain
         self.depth_limit = config.depth_limit(max_depth)
         self.most_rounds = rounds + extensions * extension_rounds
@@ -101,7 +101,8 @@ class RoundSearch:
         self.best_first_forwards: int | None = None  # after how many forwards best-first would have stopped, once read
         self._nodes = torch.zeros(1, dtype=torch.long, device=device)
         self._placing = torch.ones(1, dtype=torch.bool, device=device)  # which of _nodes may place children
-        self._read: tuple[int, torch.Tensor, int] | None = None  # (forwards, best nodes, how many possible) when read
+        # When read: (forwards, the best nodes, how many of them are possible, best-first's forwards).
+        self._read: tuple[int, torch.Tensor, int, int] | None = None
 
     def next_nodes(self) -> torch.Tensor | None:
         """The round's nodes: the root first, then the ``width`` best unexpanded nodes; ``None`` once the tree is
@@ -126,20 +127,21 @@ class RoundSearch:
         is left, starts the next one."""
         if self.forwards == 0:
             return False
-        self._read_device()
-        if self.best_first_forwards <= self.forwards or self.limit >= self.most_rounds:
+        best_first_forwards = self._read_device()[3]
+        if best_first_forwards <= self.forwards or self.limit >= self.most_rounds:
             return False
         self.limit = min(self.limit + self.extension_rounds, self.most_rounds)
         return True
 
-    def _read_device(self) -> None:
+    def _read_device(self) -> tuple[int, torch.Tensor, int, int]:
         """The search's one host read per batch: how many of the ``budget + 1`` best pool nodes are possible, and
-        after how many forwards best-first would have stopped."""
+        after how many forwards best-first would have stopped; returns what it keeps as ``_read``."""
         pool = self.pool
         ranked = rank_nodes(pool.logprobs)[: self.budget + 1]
         possible = torch.isfinite(pool.logprobs[ranked]).sum(0, keepdim=True)
         count, self.best_first_forwards = torch.cat([possible, self._best_first_forwards()]).tolist()
-        self._read = (self.forwards, ranked, count)
+        self._read = (self.forwards, ranked, count, self.best_first_forwards)
+        return self._read
 
     def add_expansion(self, nodes: torch.Tensor, logprobs: torch.Tensor | TopCandidates) -> None:
         """Adds the top children of each of ``nodes`` (what :meth:`next_nodes` returned), ``-inf`` under a padding
@@ -173,11 +175,10 @@ class RoundSearch:
         if self.forwards == 0:
             kept = torch.zeros(1, dtype=torch.long, device=self.pool.device)
             return SearchResult(self.pool.select(kept), self.pool, kept, 0)
-        if self._read is None or self._read[0] != self.forwards:
-            self._read_device()
-        _, ranked, count = self._read
+        read = self._read if self._read is not None and self._read[0] == self.forwards else self._read_device()
+        _, ranked, count, best_first_forwards = read
         if self.policy is not None:
-            self.policy.learn_rounds(self.budget, self.forwards, self.best_first_forwards)
+            self.policy.learn_rounds(self.budget, self.forwards, best_first_forwards)
         kept = ranked[:count].sort().values
         return SearchResult(self.pool.select(kept), self.pool, kept, self.forwards)
 
@@ -278,7 +279,7 @@ class RoundPolicy(SearchPolicy):
     def start(
         self, root_token: int, config: SpecExecConfig, max_depth: int | None = None, device: DeviceLike = None
     ) -> RoundSearch:
-        rounds = self.rounds_for(config.budget)
+        rounds = self.rounds_for(config.resolved_budget)
         return RoundSearch(
             root_token, config, rounds, max_depth, device, self, self.extensions, extension_rounds=math.ceil(rounds / 2)
         )
