@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from unittest import mock
 
 import pytest
@@ -161,6 +162,27 @@ def test_the_static_path_refuses_what_it_cannot_hold_before_allocating():
     with pytest.raises(ValueError, match="more than its max_capacity of 16"):
         cache.logits(Feed(cache, torch.arange(18), torch.arange(18), None, 1))
     assert cache.capacity == 0 and cache.length == 0  # nothing allocated
+
+
+def test_a_finished_drafters_static_cache_serves_the_next_drafter():
+    """generate() builds a drafter per call: the next one takes over the last one's buffers (and on CUDA its graphs),
+    emptied, and grows the trees a dynamic cache grows."""
+    draft = tiny_model("llama", seed=3, dtype=torch.float32)
+    config = SpecExecConfig(budget=12, expand_per_forward=4)
+    histories = torch.randint(0, 64, (2, 1, 9), generator=torch.Generator().manual_seed(3))
+    first = SpecExecCandidateGenerator(draft, config, search=RoundPolicy(rounds=3), draft_graphs="on")
+    first.grow_tree(histories[0])
+    cache = first.cache
+    other = SpecExecCandidateGenerator(draft, config, search=RoundPolicy(rounds=3), draft_graphs="on")
+    assert other.cache is not cache  # a cache serves one drafter at a time
+    del first
+    gc.collect()
+    second = SpecExecCandidateGenerator(draft, config, search=RoundPolicy(rounds=3), draft_graphs="on")
+    assert second.cache is cache and cache.get_seq_length() == 0
+    dynamic = SpecExecCandidateGenerator(draft, config, search=RoundPolicy(rounds=3), draft_graphs="off")
+    got, expected = second.grow_tree(histories[1]), dynamic.grow_tree(histories[1])
+    assert torch.equal(got.tree.tokens, expected.tree.tokens)
+    torch.testing.assert_close(got.tree.logprobs, expected.tree.logprobs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda

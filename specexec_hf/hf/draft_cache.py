@@ -12,6 +12,7 @@ returns only those columns.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -21,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..core.tree import TokenTree
 from ..core.uploads import upload
 from .compat import execution_device
-from .draft_graphs import StaticDraftCache
+from .draft_graphs import StaticDraftCache, release_static_cache, reused_static_cache
 from .forward import Feed, batch_logits, model_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
 
@@ -43,12 +44,15 @@ class DraftCache:
     Args:
         draft_model: The draft; its execution device is where the feeds and the tree's bookkeeping live.
         static: Keep the cache in preallocated buffers and run the draft over padded feeds, replayed as CUDA graphs
-            on a GPU (:class:`~.draft_graphs.StaticDraftCache`); else a ``DynamicCache``.
+            on a GPU (:class:`~.draft_graphs.StaticDraftCache`, taken over from a finished drafter of the same draft
+            where there is one, its graphs already captured); else a ``DynamicCache``.
     """
 
     def __init__(self, draft_model: PreTrainedModel, static: bool = False):
         self.draft_model = draft_model
-        self.cache: DynamicCache | StaticDraftCache = StaticDraftCache(draft_model) if static else new_cache()
+        self.cache: DynamicCache | StaticDraftCache = reused_static_cache(draft_model) if static else new_cache()
+        if isinstance(self.cache, StaticDraftCache):  # its buffers and graphs serve the draft's next drafter
+            weakref.finalize(self, release_static_cache, self.cache)
         self.cached_ids: list[int] = []
         # The history of the tree being grown; its last token is the root.
         self.history: list[int] = []

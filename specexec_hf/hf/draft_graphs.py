@@ -30,6 +30,8 @@ SDPA or eager attention (:func:`static_path_refusal` says why another draft cann
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -138,7 +140,8 @@ class StaticDraftCache(Cache):
         if refusal is not None:
             raise ValueError(f"The static draft cache cannot hold this draft's cache: {refusal}. Run the draft over "
                              "its dynamic cache (draft_graphs='off').")
-        self.model = model
+        # Weakly: a cache kept for reuse (see reused_static_cache) must not keep its draft alive.
+        self._model = weakref.ref(model)
         self.device = execution_device(model)
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
@@ -160,6 +163,14 @@ class StaticDraftCache(Cache):
         # Per (width, scored columns), at the current capacity: the graph and its output.
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The draft."""
+        model = self._model()
+        if model is None:
+            raise ReferenceError("The draft of this static cache is gone.")
+        return model
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """How many tokens the cache holds (a host count)."""
@@ -292,3 +303,30 @@ class StaticDraftCache(Cache):
         graph, output = self._graphs[key]
         graph.replay()  # reads the buffers and writes the slots it was captured with
         return output
+
+
+# Per draft, the static caches of drafters that are done, kept with their buffers and captured graphs: generate()
+# builds a drafter per call, and capturing every shape again per call would cost more than short calls gain.
+_RELEASED: weakref.WeakKeyDictionary[PreTrainedModel, list[StaticDraftCache]] = weakref.WeakKeyDictionary()
+_RELEASED_LOCK = threading.Lock()
+
+
+def reused_static_cache(model: PreTrainedModel) -> StaticDraftCache:
+    """An empty :class:`StaticDraftCache` for ``model``: one a finished drafter released (buffers and graphs kept),
+    else a new one. Hand it back with :func:`release_static_cache` once done with it."""
+    with _RELEASED_LOCK:
+        released = _RELEASED.get(model)
+        cache = released.pop() if released else None
+    if cache is None:
+        return StaticDraftCache(model)
+    cache.length = 0
+    cache.capture = cache.device.type == "cuda"
+    return cache
+
+
+def release_static_cache(cache: StaticDraftCache) -> None:
+    """Keeps ``cache`` for the next :func:`reused_static_cache` of its draft (while the draft lives)."""
+    model = cache._model()
+    if model is not None:
+        with _RELEASED_LOCK:
+            _RELEASED.setdefault(model, []).append(cache)
