@@ -54,6 +54,8 @@ DEFAULT_MAX_CAPACITY = 1 << 15
 Llama-3.2-1B-shaped draft in bfloat16."""
 MAX_GRAPHED_WIDTH = 256
 """The widest feed padded and graphed; a wider one (a prompt's prefill) runs eagerly, once per prompt."""
+KEPT_PER_DRAFT = 8
+"""The most finished drafters' static caches kept per draft for reuse (a server's burst of requests drops the rest)."""
 WARMUP_FORWARDS = 2
 """Forwards run on a side stream before a shape is captured (lazy initialisations, cuBLAS workspaces)."""
 GRAPHED_ATTENTION = ("sdpa", "eager")
@@ -325,8 +327,11 @@ def reused_static_cache(model: PreTrainedModel) -> StaticDraftCache:
 
 
 def release_static_cache(cache: StaticDraftCache) -> None:
-    """Keeps ``cache`` for the next :func:`reused_static_cache` of its draft (while the draft lives)."""
+    """Keeps ``cache`` for the next :func:`reused_static_cache` of its draft (while the draft lives, and up to
+    :data:`KEPT_PER_DRAFT` of them)."""
     model = cache._model()
     if model is not None:
         with _RELEASED_LOCK:
-            _RELEASED.setdefault(model, []).append(cache)
+            released = _RELEASED.setdefault(model, [])
+            if len(released) < KEPT_PER_DRAFT:
+                released.append(cache)
