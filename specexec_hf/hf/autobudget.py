@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from ..core.batch_budget import highest_rate
 from ..core.config import SpecExecConfig
 from ..core.search import rank_nodes
 from ..core.static_trees import best_first_nodes
@@ -440,8 +441,7 @@ class AutoBudget:
 
     def choose(self, max_depth: int | None = None) -> int:
         """The candidate budget with the highest modelled tokens per second (the smaller one on ties)."""
-        rates = self.tokens_per_second(max_depth)
-        return max(self.candidates, key=lambda b: (rates[b], -b))
+        return highest_rate(self.tokens_per_second(max_depth))
 
     def next_budget(self, max_depth: int | None = None) -> int:
         """The budget for the next step: :meth:`choose`'s, except on every ``PROBE_EVERY``-th step, which runs the

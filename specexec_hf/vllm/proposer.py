@@ -71,7 +71,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..core.search import SearchResult, tree_policy
-from ..core.step_budget import share_budget
+from ..core.step_budget import path_scores, share_budget
 from ..hf.calibrated import ranking_setting
 from ..hf.candidate_generator import SpecExecCandidateGenerator, grow_trees
 from ..hf.compat import check_draft_vocabulary, check_supported
@@ -82,7 +82,8 @@ from ..models.vocab import restrict_draft_vocabulary
 from ..patches.patch import Patch
 from . import offload, tree_verifier
 from .seams import RUNNER_PREPARE_INPUTS, RUNNER_SAMPLE, check_vllm_version
-from .settings import CONFIG_KEY, ProposerSettings, read_token_ids
+from .settings import AUTO, CONFIG_KEY, ProposerSettings, read_token_ids
+from .step_costs import StepCosts
 
 try:
     from vllm.config import VllmConfig
@@ -211,6 +212,8 @@ class SpecExecProposer:
         # The V1 model runner whose drafter this is, handed over by the runner seam at each step (see apply()).
         self.runner: Any = None
         self.tree_verifier: tree_verifier.TreeVerifier | None = None
+        # step_budget="auto": the target's forward cost learnt from the engine's steps, and each step's total.
+        self.step_costs = StepCosts() if self.settings.step_budget == AUTO else None
         budget = self.settings.specexec.budget
         if self.settings.tree_verification and (not isinstance(budget, int) or budget > self.num_speculative_tokens):
             raise ValueError(
@@ -281,6 +284,15 @@ class SpecExecProposer:
                 entries are its prompt and output so far.
             slot_mappings: The target's KV slots; unused, the draft keeps its own cache.
         """
+        drafts = self._drafts(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        if self.step_costs is not None:
+            self.step_costs.proposed()
+        return drafts
+
+    def _drafts(
+        self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+    ) -> list[list[int]]:
+        """:meth:`propose`'s drafts."""
         if self.runner is None:
             raise RuntimeError(
                 "SpecExecProposer.propose was called before a vLLM V1 model runner prepared a step with it as its "
@@ -295,6 +307,7 @@ class SpecExecProposer:
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         requests, rows = [], []
+        tree_budget = self._tree_budget(sum(bool(sampled) for sampled in sampled_token_ids))
         for row, sampled in enumerate(sampled_token_ids):
             req_id, length = req_ids[row], int(num_tokens_no_spec[row])
             depth = min(self.num_speculative_tokens, self.max_model_len - length)
@@ -305,6 +318,8 @@ class SpecExecProposer:
                 self.tree_verifier.propose(req_id, None)
             if sampled and depth >= 1 and takes_tree:
                 generator = self._generator(req_id, float(temperatures[row]))
+                if tree_budget is not None:
+                    generator.config = generator.config.updated(budget=tree_budget)
                 self._observe(generator, req_id, token_ids_cpu[row], length)
                 # The generator only reads the history as a list of ids: no device copy.
                 history = torch.from_numpy(token_ids_cpu[row, :length].astype(np.int64))[None]
@@ -329,7 +344,12 @@ class SpecExecProposer:
                 # Parents first, so the first `depth` nodes (all the scheduler may keep) are a tree.
                 tree = result.tree
                 sent.append(tree if tree.num_nodes <= depth + 1 else tree.select(torch.arange(depth + 1)))
-            if self.settings.step_budget is not None:
+            if self.step_costs is not None:
+                # Every running row feeds its root whether or not it has a tree.
+                without_trees = sum(bool(sampled) for sampled in sampled_token_ids) - len(sent)
+                scores = [path_scores(tree)[1:] for tree in sent] + [torch.zeros(0)] * without_trees
+                sent = share_budget(sent, self.step_costs.choose(scores))
+            elif self.settings.step_budget is not None:
                 sent = share_budget(sent, self.settings.step_budget)
             for row, tree in zip(rows, sent):
                 if tree.num_nodes > 1:
@@ -340,6 +360,13 @@ class SpecExecProposer:
         self.stats.draft_forwards += trees.draft_calls
         self.stats.draft_seconds += time.perf_counter() - started
         return drafts
+
+    def _tree_budget(self, running: int) -> int | None:
+        """Nodes each request's tree grows to this step under ``step_budget="auto"`` (:meth:`.StepCosts.tree_budget`,
+        at most the ``budget`` setting); ``None``: the ``budget`` setting as it is."""
+        if self.step_costs is None:
+            return None
+        return self.step_costs.tree_budget(running, int(self.settings.specexec.budget))
 
     def _generator(self, req_id: str, request_temperature: float) -> SpecExecCandidateGenerator:
         """The request's generator, created on its first proposal with the request's draft temperature."""
@@ -398,6 +425,8 @@ def _handing_over_the_runner(prepare_inputs: Callable[..., Any]) -> Callable[...
         proposer = getattr(runner, "drafter", None)  # a pipeline stage without the last rank has none
         if isinstance(proposer, SpecExecProposer):
             proposer.runner = runner
+            if proposer.step_costs is not None:
+                proposer.step_costs.forward_started(int(num_scheduled_tokens.sum()))
             if proposer.tree_verifier is not None:
                 proposer.tree_verifier.place_tree_rows(runner, scheduler_output, num_scheduled_tokens)
         return result
@@ -411,6 +440,8 @@ def _walking_trees(sample: Callable[..., Any]) -> Callable[..., Any]:
     def sample_for_specexec(runner: Any, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         proposer = getattr(runner, "drafter", None)
         verifier = proposer.tree_verifier if isinstance(proposer, SpecExecProposer) else None
+        if isinstance(proposer, SpecExecProposer) and proposer.step_costs is not None:
+            proposer.step_costs.forward_finished()
         if verifier is not None and verifier.in_flight:
             return verifier.sample(runner, logits, spec_decode_metadata)
         return sample(runner, logits, spec_decode_metadata)

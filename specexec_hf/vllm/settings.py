@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,6 +21,8 @@ ENV_PREFIX = "SPECEXEC_"
 # restricts its head to them unless ``draft_vocab`` says otherwise (``export_default_pair`` writes it for the
 # shipped draft, whose exported head is widened to the full vocabulary for vLLM's loader).
 DRAFT_VOCAB_FILE = "specexec_draft_vocab.json"
+# ``step_budget`` value that chooses each step's total of tree nodes (see :mod:`.step_costs`).
+AUTO = "auto"
 # ``draft_vocab`` value that keeps the draft's whole head even where its folder holds DRAFT_VOCAB_FILE.
 FULL_VOCABULARY = "all"
 
@@ -41,7 +43,9 @@ class ProposerSettings:
         offload_prefetch: Layers the stream reads ahead of the one computing.
         step_budget: With tree verification, the tree nodes of one step in all: every request grows its tree up to
             ``budget`` nodes, then the trees are cut to the ``step_budget`` best nodes of them all
-            (:func:`~specexec_hf.core.step_budget.share_budget`); ``None``: ``budget`` nodes per request.
+            (:func:`~specexec_hf.core.step_budget.share_budget`); ``"auto"``: each step's total is the one
+            forecast to commit the most tokens per second, from the target forward's cost as the engine measures
+            it (:mod:`.step_costs`); ``None``: ``budget`` nodes per request.
         tree_search: The tree policy's registered name (:data:`~specexec_hf.core.search.TREE_POLICIES`).
         draft_vocab: A JSON file holding a list of token ids: the draft's LM head scores only those tokens and
             proposes no other (:func:`~specexec_hf.models.vocab.restrict_draft_vocabulary`, what the shipped draft's
@@ -57,7 +61,7 @@ class ProposerSettings:
     tree_verification: bool = False
     offload: str | None = None
     offload_prefetch: int = 1
-    step_budget: int | None = None
+    step_budget: int | Literal["auto"] | None = None
     tree_search: str = "specexec"
     draft_vocab: str | None = None
     draft_int8: bool = False
@@ -91,11 +95,15 @@ class ProposerSettings:
         tree = parse_knob("tree_verification", "bool", raw.get("tree_verification", False))
         prefetch = parse_knob("offload_prefetch", "int", raw.get("offload_prefetch", 1))
         offload = raw.get("offload") or None
-        step_budget = parse_knob("step_budget", "int", raw.get("step_budget"))
-        if step_budget is not None and (not tree or not isinstance(step_budget, int) or step_budget < 1):
+        step_budget = raw.get("step_budget")
+        auto = isinstance(step_budget, str) and step_budget.strip().lower() == AUTO
+        step_budget = AUTO if auto else parse_knob("step_budget", "int", step_budget)
+        if step_budget is not None and (
+            not tree or not (step_budget == AUTO or isinstance(step_budget, int) and step_budget >= 1)
+        ):
             raise ValueError(
                 f"step_budget={step_budget!r}: a step's total of tree nodes needs tree_verification=true and an "
-                "integer of at least 1."
+                f"integer of at least 1, or {AUTO!r} (chosen each step from the target's measured forward cost)."
             )
         tree_search = str(raw.get("tree_search", "specexec"))
         tree_policy(tree_search)  # an unknown name is refused here, listing the registered ones
