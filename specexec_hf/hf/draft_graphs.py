@@ -16,12 +16,14 @@ forward of a feed-width bucket and a cache-capacity bucket identical shapes and 
   over the same buffers, which is how the CPU tests check it. Feeds wider than :data:`MAX_GRAPHED_WIDTH` (a prompt's
   prefill) run eagerly, unpadded, over the same cache.
 
-No step reads the device: the cache length, the widths and the capacity are host counts.
+No step reads the device: the cache length, the widths and the capacity are host counts. A drafter that is done
+hands its cache, buffers and graphs, to the draft's next drafter (:func:`reused_static_cache`): ``generate()`` builds
+a drafter per call.
 
 transformers' ``StaticCache`` does not do this job: in transformers 5.19 its layers write each forward's keys after
-their own running counter (earlier 5.x releases at a ``cache_position`` the model computes), so the slot a write goes
-to is not one the caller owns across the versions this library supports, and it has no in-place cut that keeps the
-accepted tree nodes' keys. :class:`StaticDraftCache` is a :class:`~transformers.Cache` whose ``update`` writes at the
+their own running counter (4.x wrote them at the ``cache_position`` the model computed), so where a write goes is
+not the caller's to say and has changed between releases, and it has no in-place cut that keeps the accepted tree
+nodes' keys. :class:`StaticDraftCache` is a :class:`~transformers.Cache` whose ``update`` writes at the
 slots it was given, which every supported family calls the same way.
 
 The static path holds the full-attention caches of the families :data:`~.forward.VERIFIED_MODEL_TYPES` names, under
