@@ -233,9 +233,13 @@ def test_a_step_budget_that_is_not_a_positive_integer_is_refused(llama_pair):
         specexec(target, draft, ids, mask, max_new_tokens=4, step_budget=0)
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 0.5}, {"temperature": 1.2, "top_p": 0.7}],
-                         ids=["temperature", "top_p"])
-def test_each_rows_samples_follow_the_targets_distribution(settings):
+@pytest.mark.parametrize("settings, knobs", [
+    pytest.param({"temperature": 0.5}, {}, id="temperature"),
+    pytest.param({"temperature": 1.2, "top_p": 0.7}, {}, id="top_p"),
+    # drawn children verified by rejection sampling, the rows' trees cut to 4 nodes in all by their forecasts
+    pytest.param({"temperature": 0.5}, {"sampled_children": True, "step_budget": 4}, id="drawn_children_step_budget"),
+])
+def test_each_rows_samples_follow_the_targets_distribution(settings, knobs):
     """Row 0 continues its own prompt, row 1 PROMPT; both left-padded, row 2's prompt being longer."""
     target = tiny_model("llama", seed=11, vocab_size=VOCAB, sharpness=3.0)
     draft = perturbed_copy(target, 0.3, seed=12)
@@ -251,7 +255,7 @@ def test_each_rows_samples_follow_the_targets_distribution(settings):
         out = target.generate(
             ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
             **{"top_k": None, "top_p": None, **settings}, assistant_model=draft, speculator="specexec", budget=6,
-            max_branch=3,
+            max_branch=3, **knobs,
         )
         for row in range(2):
             outcome = tuple(out[row, ids.shape[1] :].tolist())
