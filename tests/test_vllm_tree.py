@@ -217,6 +217,16 @@ def test_an_int8_draft_s_trees_equal_no_speculation(pair, baseline):
     assert run.stats["trees"] > 0 and 0 < run.stats["accepted_nodes"]
 
 
+def test_an_automatic_step_budget_equals_no_speculation(pair, baseline):
+    """step_budget="auto": the trees of the batch (four concurrent greedy requests, a chunked long prompt, sampled
+    and penalised neighbours) cut each step to the total the learnt forward cost makes best, the outputs stay the
+    target's."""
+    run = _run(pair.target, _tree_config(pair.draft, budget=16, step_budget="auto"), **CHUNKED)
+    _assert_same_outputs(run, baseline)
+    print("noisy draft, budget 16, step budget auto:", run.stats)
+    assert run.stats["trees"] > 0 and 0 < run.stats["accepted_nodes"] < run.stats["tree_nodes"]
+
+
 def test_draft_equal_to_target_accepts_deep_paths(self_tree_run, baseline):
     _assert_same_outputs(self_tree_run, baseline)
     stats = self_tree_run.stats

@@ -3,6 +3,7 @@
 - :mod:`.proposer`: the ``custom_class`` proposer, :class:`SpecExecProposer` (``"model":
   "specexec_hf.vllm.SpecExecProposer"`` in ``speculative_config``);
 - :mod:`.settings`: its settings, from the ``"specexec"`` JSON dict and ``SPECEXEC_*`` environment variables;
+- :mod:`.step_costs`: ``step_budget="auto"``, each step's node total from the target's cost as the engine measures it;
 - :mod:`.tree_verifier`: a whole tree verified in one target forward, with :mod:`.tree_attention` (SDPA over the paged
   KV cache);
 - :mod:`.offload`: the target's decoder layers streamed from disk, and the ``vllm.general_plugins`` entry point;

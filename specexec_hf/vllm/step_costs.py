@@ -20,10 +20,10 @@ forward flat to 65 tokens.) After the sweep each step's trees are cut to the tot
 :func:`~specexec_hf.core.batch_budget.step_total` over their nodes' calibrated reach probabilities; as
 ``budget="auto"`` probes its neighbours, every ``PROBE_EVERY``-th step the best total among a half doubling above
 or below it (in turn) runs instead, which keeps the feeds near the choice measured as the disk's speed moves.
-Each request's tree grows to ``TREE_HEADROOM`` times its even share of the last step's total (at most the
-``budget`` setting; the setting itself during the sweep): enough to feed the next total even when the best nodes
-gather in a few trees, and room for the total to grow, without drafting every tree to its cap for a batch that
-keeps few of its nodes.
+Each request's tree grows to ``TREE_HEADROOM`` times its even share of the total the step is expected to keep
+(the last step's, twice it during the sweep; at most the ``budget`` setting): enough to feed the next total even
+when the best nodes gather in a few trees, and room for the total to grow, without drafting every tree to its cap
+for a batch that keeps few of its nodes.
 """
 
 from __future__ import annotations
@@ -143,7 +143,9 @@ class StepCosts:
 
     def tree_budget(self, rows: int, cap: int) -> int:
         """Nodes each of ``rows`` requests' trees grows to this step: ``TREE_HEADROOM`` times its even share of the
-        last step's total, between 1 and ``cap`` (``cap`` until the sweep is over)."""
-        if not self.swept or rows < 1 or self.last_total is None:
+        total this step is expected to keep (the last step's, twice it during the sweep), between 1 and ``cap``
+        (``cap`` before any step)."""
+        if rows < 1 or self.last_total is None:
             return cap
-        return max(1, min(cap, math.ceil(TREE_HEADROOM * self.last_total / rows)))
+        expected = self.last_total if self.swept else 2 * self.last_total
+        return max(1, min(cap, math.ceil(TREE_HEADROOM * expected / rows)))
