@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from conftest import DEVICES
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from specexec_hf import SpecExecConfig, TokenTree, acceptance_walk, grow_tree
 from specexec_hf.core.search import BestFirstSearch, rank_nodes
@@ -267,3 +270,33 @@ def test_host_lists_and_a_row_come_in_one_read_and_equal_the_tensors(tokens, kno
     assert sum(counter.sites.values()) == 1
     assert (parents, node_tokens, values) == (tree.parents.tolist(), tree.tokens.tolist(), row.tolist())
     assert tree.host_lists() == (parents, node_tokens)
+
+
+class HostValueTensors(TorchFunctionMode):
+    """Counts the tensors built from host values (``torch.tensor``, ``torch.as_tensor``): on a CUDA device each is a
+    copy from pageable memory, which makes the host wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in ("tensor", "as_tensor")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(st.integers(0, 2**40))
+def test_a_root_tree_is_filled_on_its_device_without_an_upload(device, token):
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # a copy from pageable memory would raise here
+    try:
+        with HostValueTensors() as built:
+            tree = TokenTree.from_root(token, device)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert built.count == 0
+    assert tree.device.type == device
+    assert (tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()) == ([token], [-1], [0])
+    assert tree.logprobs.tolist() == [0.0] and tree.tokens.dtype == tree.parents.dtype == torch.long

@@ -34,9 +34,11 @@ class TokenTree:
 
     @classmethod
     def from_root(cls, token: int, device: torch.device | str | None = None) -> TokenTree:
+        """The tree of the root alone. Its tensors are filled on the device: a ``torch.tensor`` of host values would
+        be a copy from pageable memory, which makes the host wait for a CUDA device twice per tree."""
         return cls(
-            tokens=torch.tensor([token], dtype=torch.long, device=device),
-            parents=torch.tensor([-1], dtype=torch.long, device=device),
+            tokens=torch.full((1,), token, dtype=torch.long, device=device),
+            parents=torch.full((1,), -1, dtype=torch.long, device=device),
             depths=torch.zeros(1, dtype=torch.long, device=device),
             logprobs=torch.zeros(1, dtype=torch.float32, device=device),
         )
