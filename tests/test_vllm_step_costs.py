@@ -72,6 +72,7 @@ def test_the_sweep_finds_the_flat_region_and_the_batch_shares_it():
     costs = StepCosts(clock)
     sweep = run_steps(costs, clock, rows=8, steps=5)
     assert sweep == [8, 16, 32, 64, 128] and costs.swept  # fed 136 tokens at 0.655 s, over 1.5 x 0.3 s
+    assert costs.measured() == {16: 0.3, 24: 0.3, 40: 0.3, 72: 0.335, 136: 0.655}
     settled = run_steps(costs, clock, rows=8, steps=4 * PROBE_EVERY)[-PROBE_EVERY + 1 :]
     chosen = sorted(settled)[len(settled) // 2]  # the probe steps' neighbours aside
     assert 65 - 8 - 8 <= chosen <= 65 - 8, settled  # within a bucket of the knee

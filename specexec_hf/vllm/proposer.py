@@ -307,7 +307,8 @@ class SpecExecProposer:
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         requests, rows = [], []
-        tree_budget = self._tree_budget(sum(bool(sampled) for sampled in sampled_token_ids))
+        running = sum(bool(sampled) for sampled in sampled_token_ids)  # rows fed this step
+        tree_budget = self._tree_budget(running)
         for row, sampled in enumerate(sampled_token_ids):
             req_id, length = req_ids[row], int(num_tokens_no_spec[row])
             depth = min(self.num_speculative_tokens, self.max_model_len - length)
@@ -346,9 +347,16 @@ class SpecExecProposer:
                 sent.append(tree if tree.num_nodes <= depth + 1 else tree.select(torch.arange(depth + 1)))
             if self.step_costs is not None:
                 # Every running row feeds its root whether or not it has a tree.
-                without_trees = sum(bool(sampled) for sampled in sampled_token_ids) - len(sent)
-                scores = [path_scores(tree)[1:] for tree in sent] + [torch.zeros(0)] * without_trees
+                scores = [path_scores(tree)[1:] for tree in sent] + [torch.zeros(0)] * (running - len(sent))
+                sweeping = not self.step_costs.swept
                 sent = share_budget(sent, self.step_costs.choose(scores))
+                if sweeping and self.step_costs.swept:
+                    logger.info(
+                        "SpecExec step_budget=auto: target forward seconds by tokens fed %s, %.3f s for the rest of "
+                        "a step; %d requests now share %d tree nodes a step.",
+                        self.step_costs.measured(), self.step_costs.rest_seconds(), running,
+                        self.step_costs.last_total,
+                    )
             elif self.settings.step_budget is not None:
                 sent = share_budget(sent, self.settings.step_budget)
             for row, tree in zip(rows, sent):

@@ -114,6 +114,10 @@ class StepCosts:
         smallest = min(profile.seconds)
         return lambda tokens: profile(max(tokens, smallest))
 
+    def measured(self) -> dict[int, float]:
+        """``{tokens fed: forward seconds}`` per measured bucket, for logs and benchmarks."""
+        return {round(self._tokens[b]): round(self._seconds[b], 4) for b in sorted(self._seconds)}
+
     def rest_seconds(self) -> float:
         """The moving seconds of a step beside its forward."""
         return self._rest_seconds
