@@ -222,15 +222,20 @@ def test_a_pipeline_runs_specexec_from_the_models_generation_config(fresh_target
     assert stats.steps and max(step.tree_size for step in stats.steps) == 4 + 1
 
 
-def test_a_pipeline_batch_is_refused_naming_batch_size(pair):
+def test_a_pipeline_batch_under_a_generation_config_speculator_equals_the_plain_pipeline(pair):
+    """A pipeline batch (batch_size=2) takes SpecExec's settings from the call's generation config like a single
+    prompt does, and returns what the plain pipeline returns for that batch."""
     target, draft = pair
     generator = pipeline("text-generation", model=target, tokenizer=tiny_tokenizer())
-    with pytest.raises(ValueError, match=r"pass batch_size=1") as error:
-        generator(
-            ["hello there", "good morning"], batch_size=2, max_new_tokens=4, do_sample=False, assistant_model=draft,
-            speculator="specexec",
-        )
-    assert "got a batch of 2" in str(error.value)
+    prompts = ["hello there", "good morning to you"]
+    plain = generator(prompts, batch_size=2, max_new_tokens=6, do_sample=False)
+    stats = SpecExecStats()
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, speculator="specexec", budget=5)
+    got = generator(
+        prompts, batch_size=2, generation_config=config, assistant_model=draft, specexec_stats=stats,
+    )
+    assert got == plain
+    assert stats.steps and max(step.tree_size for step in stats.steps) <= 2 * (5 + 1)
 
 
 def test_the_masked_token_probe_decodes_plainly_under_a_generation_config_speculator(monkeypatch):
