@@ -25,12 +25,13 @@ CONFIGURED = {
     "budget": 5, "max_depth": 3, "max_branch": 4, "expand_per_forward": 2, "max_draft_forwards": 7,
     "min_draft_gain": 0.1, "draft_temperature": 0.8, "context_match_weights": (0.5, 0.7),
     "acceptance_calibration": False, "sampled_children": True, "draft_ahead": True, "tree_search": "specinfer",
-    "draft_budget": 9,
+    "draft_budget": 9, "draft_graphs": "off",
 }
 KEYWORDS = {
     "budget": 3, "max_depth": 2, "max_branch": 2, "expand_per_forward": 3, "max_draft_forwards": 1,
     "min_draft_gain": 0.2, "draft_temperature": 1.5, "context_match_weights": (0.1,), "acceptance_calibration": True,
     "sampled_children": False, "draft_ahead": False, "tree_search": "sequoia", "draft_budget": 6,
+    "draft_graphs": "on",
 }
 
 
@@ -90,12 +91,15 @@ def test_a_saved_generation_config_json_runs_specexec(fresh_target, tmp_path):
     assert max(step.tree_size for step in stats.steps) == 3 + 1
 
 
-def decoder_settings(monkeypatch, target, draft, **kwargs) -> tuple[SpecExecConfig, object, object]:
-    """The SpecExec config, tree policy and intermediate one ``generate()`` call built its decoder with."""
+def decoder_settings(monkeypatch, target, draft, **kwargs) -> tuple[SpecExecConfig, object, object, str]:
+    """The SpecExec config, tree policy, intermediate and draft_graphs mode one ``generate()`` call built its decoder
+    with."""
     seen = []
 
-    def spy(model, draft_model, request, config, tree_search, state, processors, generation_config, intermediate):
-        seen.append((config, tree_search, intermediate))
+    def spy(
+        model, draft_model, request, config, tree_search, state, processors, generation_config, graphs, intermediate
+    ):
+        seen.append((config, tree_search, intermediate, graphs))
         raise RuntimeError("seen")
 
     monkeypatch.setattr(generation, "_decoder", spy)
@@ -109,9 +113,10 @@ def test_every_setting_of_the_generation_config_reaches_the_decoder(pair, monkey
     # A draft hierarchy (draft_budget sizes its draft's tree) runs without draft_ahead.
     configured = {**CONFIGURED, "draft_ahead": False}
     config = GenerationConfig(speculator="specexec", **configured)
-    built, policy, intermediate = decoder_settings(
+    built, policy, intermediate, graphs = decoder_settings(
         monkeypatch, target, draft, generation_config=config, intermediate_model="self:exit:1"
     )
+    assert graphs == CONFIGURED["draft_graphs"]
     assert built == SpecExecConfig(**{name: value for name, value in configured.items() if name not in OTHER_SETTINGS})
     assert type(policy).__name__ == "SpecInferSearch"
     assert intermediate.draft_budget == CONFIGURED["draft_budget"]
@@ -123,9 +128,11 @@ def test_keywords_win_over_the_generation_config(pair, monkeypatch):
     without_budget = {name: value for name, value in CONFIGURED.items() if name != "draft_budget"}
     config = GenerationConfig(speculator="specexec", **without_budget)
     knobs = {name: value for name, value in KEYWORDS.items() if name not in OTHER_SETTINGS}
-    built, policy, _ = decoder_settings(
-        monkeypatch, target, draft, generation_config=config, tree_search=KEYWORDS["tree_search"], **knobs
+    built, policy, _, graphs = decoder_settings(
+        monkeypatch, target, draft, generation_config=config, tree_search=KEYWORDS["tree_search"],
+        draft_graphs=KEYWORDS["draft_graphs"], **knobs,
     )
+    assert graphs == KEYWORDS["draft_graphs"]
     assert built == SpecExecConfig(**knobs)
     assert type(policy).__name__ == "SequoiaSearch"
 
@@ -251,3 +258,18 @@ def test_the_masked_token_probe_decodes_plainly_under_a_generation_config_specul
     got = target.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant_model=draft)
     assert got.tolist() == expected.tolist()
     assert specexec_hf.generate is not None
+
+
+@pytest.mark.parametrize("route", ["keyword", "generation_config"])
+def test_draft_graphs_reaches_the_drafter_from_a_keyword_and_from_the_generation_config(route):
+    """draft_graphs='on' asks for the static draft cache: a sliding-window draft, which it cannot hold, is refused
+    naming the reason, whichever way the setting came; an unknown mode is refused naming the modes."""
+    target = tiny_model("mistral_sliding", seed=0, dtype=torch.float32)
+    draft = perturbed_copy(target, 0.05, seed=1)
+    for mode, refusal in (("on", r"draft_graphs='on' needs a static draft cache.*sliding"), ("always", "one of")):
+        setting = {"draft_graphs": mode}
+        kwargs = setting if route == "keyword" else {"generation_config": GenerationConfig(**setting)}
+        with pytest.raises(ValueError, match=refusal):
+            target.generate(
+                IDS, max_new_tokens=4, do_sample=False, assistant_model=draft, speculator="specexec", **kwargs
+            )

@@ -36,6 +36,7 @@ from .decoder import (
     TreeLogitsProcessor,
     check_draft_ahead,
 )
+from .draft_graphs import DraftGraphs
 from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import ReadAheadWatch, hint_streaming_executor
@@ -75,6 +76,7 @@ def generate(
     draft_budget: int | None = None,
     tree_search: SearchPolicy | str | None = None,
     step_budget: int | None = None,
+    draft_graphs: DraftGraphs | None = None,
     learnt_state: LearntState | None = None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -128,6 +130,10 @@ def generate(
             (:func:`~specexec_hf.core.step_budget.kept_nodes`, as the vLLM integration's step budget); each row
             still grows a tree of ``budget`` nodes. ``None``: every row's whole tree. For one prompt it caps
             ``budget``.
+        draft_graphs: Whether the draft runs over a preallocated cache with padded feeds, each shape replayed as
+            a CUDA graph on a GPU (:mod:`~.draft_graphs`; the same logits): ``"auto"`` (``None``: the generation
+            config's, else ``"auto"``) for a CUDA draft with ``tree_search="rounds"``, ``"on"`` (eagerly on a CPU),
+            ``"off"``.
         learnt_state: Where the acceptance maps, the acceptance vector of a Sequoia policy chosen by name and
             ``budget="auto"``'s estimates are read and taught; ``None``: the state the draft carries
             (:func:`~.learnt_state.learnt_state_of`), so calls with the same draft keep learning. Pass a separate
@@ -147,9 +153,10 @@ def generate(
         max_draft_forwards=max_draft_forwards, min_draft_gain=min_draft_gain, draft_temperature=draft_temperature,
         context_match_weights=context_match_weights, acceptance_calibration=acceptance_calibration,
         sampled_children=sampled_children, draft_ahead=draft_ahead, tree_search=tree_search, draft_budget=draft_budget,
-        step_budget=step_budget,
+        step_budget=step_budget, draft_graphs=draft_graphs,
     ))
     tree_search, draft_budget = settings["tree_search"] or grow_tree, settings["draft_budget"]
+    graphs: DraftGraphs = settings["draft_graphs"] or "auto"
     by_name = isinstance(tree_search, str)
     tree_search = tree_policy(tree_search) if by_name else tree_search  # an unknown name fails before any work
     draft_model, requests = _checked_request(
@@ -174,7 +181,9 @@ def generate(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
     )
     if len(requests) > 1:
-        drafters = [_drafter(model, draft_model, config, tree_search, state, generation_config) for _ in requests]
+        drafters = [
+            _drafter(model, draft_model, config, tree_search, state, generation_config, graphs) for _ in requests
+        ]
         pad_token = generation_config._pad_token_tensor
         sequences = decode_batch(
             model, new_rows(requests, drafters, generation_config.max_length),
@@ -185,7 +194,8 @@ def generate(
             streamer.end()
         return recorder.output(sequences, None)
     decoder = _decoder(
-        model, draft_model, request, config, tree_search, state, logits_processor, generation_config, intermediate
+        model, draft_model, request, config, tree_search, state, logits_processor, generation_config, graphs,
+        intermediate,
     )
     # Processors, stopping criteria and the output see the sequence with its left padding, as in plain decoding;
     # the models see it without (the decoder counts unpadded tokens).
@@ -343,6 +353,7 @@ def _decoder(
     state: LearntState,
     logits_processor: LogitsProcessorList,
     generation_config: GenerationConfig,
+    draft_graphs: DraftGraphs,
     intermediate: IntermediateDraft | None = None,
 ) -> SpecExecDecoder:
     """The decoder for one ``generate()`` call: its drafter (:func:`_drafter`), ``budget="auto"`` and the choice
@@ -351,7 +362,7 @@ def _decoder(
         check_draft_ahead(model, draft_model)
     drafter = _drafter(
         model, draft_model, config if intermediate is None else config.updated(budget=intermediate.draft_budget),
-        tree_search, state, generation_config,
+        tree_search, state, generation_config, draft_graphs,
     )
     auto_budget = (
         state.auto_budget(model, draft_model, config, drafter.temperature) if config.budget == "auto" else None
@@ -374,9 +385,10 @@ def _drafter(
     tree_search: SearchPolicy,
     state: LearntState,
     generation_config: GenerationConfig,
+    draft_graphs: DraftGraphs,
 ) -> SpecExecCandidateGenerator:
-    """One sequence's drafter: the draft's calibrated ranking settings, and the acceptance map (learning in
-    ``state``) and drawn children where the policy supports them."""
+    """One sequence's drafter: the draft's calibrated ranking settings, the acceptance map (learning in ``state``)
+    and drawn children where the policy supports them, and its draft cache's kind (``draft_graphs``)."""
     do_sample = generation_config.do_sample
     draft_temperature, match_weights = ranking_setting(draft_model, config, do_sample, generation_config.temperature)
     calibrate = config.acceptance_calibration and tree_search.ranks_children
@@ -386,7 +398,7 @@ def _drafter(
         acceptance_map=state.acceptance_map(
             draft_model, do_sample, draft_temperature, match_weights, sampled_children
         ) if calibrate else None,
-        sampled_children=sampled_children, target_vocab_size=logits_width(model),
+        sampled_children=sampled_children, target_vocab_size=logits_width(model), draft_graphs=draft_graphs,
     )
 
 

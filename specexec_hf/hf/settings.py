@@ -5,9 +5,9 @@ transformers keeps a ``GenerationConfig`` field it does not know as an attribute
 ``generate()`` call works with. So ``GenerationConfig(speculator="specexec", budget=32)``, passed to ``generate()``,
 set as ``model.generation_config`` or saved beside the weights, reaches SpecExec like any field: ``speculator``
 (read by :mod:`specexec_hf.patches.transformers_generate`), every :class:`~specexec_hf.core.config.SpecExecConfig`
-knob, ``tree_search`` (by name), ``draft_budget`` and ``step_budget``. A keyword argument wins over the config, as it
-does for transformers' own fields. Assisted generation's own settings, which SpecExec has no use for, are named in a
-warning rather than dropped without a word.
+knob, ``tree_search`` (by name), ``draft_budget``, ``step_budget`` and ``draft_graphs``. A keyword argument wins over
+the config, as it does for transformers' own fields. Assisted generation's own settings, which SpecExec has no use
+for, are named in a warning rather than dropped without a word.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from ..core.config import SpecExecConfig
 
 SPECULATOR_FIELD = "speculator"
-OTHER_SETTINGS = ("tree_search", "draft_budget", "step_budget")
+OTHER_SETTINGS = ("tree_search", "draft_budget", "step_budget", "draft_graphs")
 """SpecExec settings a generation config may hold besides the ``SpecExecConfig`` knobs."""
 ASSISTED_SETTINGS = (
     "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
