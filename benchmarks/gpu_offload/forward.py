@@ -27,7 +27,7 @@ from benchmarks.gpu_offload.placement import (
 )
 from benchmarks.report import Goal
 from benchmarks.shapes import GB, LlamaShape, SHAPES, quantize_layers, random_llama, sharing_weights
-from benchmarks.timing import Deadline, median, synchronize, synchronize_compute
+from benchmarks.timing import Deadline, median, synchronize, synchronize_compute, warm_median_seconds
 
 
 def forward_times(
@@ -36,8 +36,10 @@ def forward_times(
     """Median seconds of one forward over ``n`` fresh tokens (logits for all of them), for each ``n``, and the
     fastest and slowest repeat (``seconds_spread``: what the figure checks take for noise).
 
-    One 1-token warm-up first (allocations, kernel selection). A token count whose repeats would not fit in the
-    time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead landed, as
+    Two 1-token forwards first: a warm-up, which pays the one-time costs (allocations, kernel selection; quanto
+    builds its packed int4 kernel there: 43 s in the device-shaped environment of the rehearsal, 0.02 s a forward
+    after), then one timed, from which the time the token counts need is estimated. A token count whose repeats would
+    not fit in the time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead landed, as
     it has after the draft grew its tree: disk reads on the streamer's reader thread included) and ends when its
     compute is done: copies it issued for the next forward are not its time.
     """
@@ -47,12 +49,8 @@ def forward_times(
     seconds: dict[str, float] = {}
     spread: dict[str, list[float]] = {}
     skipped = []
-    last = 0.0
     with torch.no_grad():
-        started = time.perf_counter()
-        model(input_ids=ids[:, :1], use_cache=False)
-        synchronize(device)
-        last = time.perf_counter() - started
+        last = warm_median_seconds(lambda: model(input_ids=ids[:, :1], use_cache=False), 1, device)
         for tokens in token_counts:
             if not deadline.allows(last * repeats * 1.5):
                 skipped.append(tokens)
