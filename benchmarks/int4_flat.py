@@ -32,10 +32,8 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
-import sys
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -43,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from specexec_hf.offload import layer_streamer, load_offloaded
 from specexec_hf.offload.direct_io import BLOCK, DirectReader, ReadPlan, Span, WeightFile, aligned_empty, plan_reads
@@ -60,9 +57,9 @@ from benchmarks.figure_checks import (
     ratio,
     within_bound,
 )
-from benchmarks.memory_cap import MemoryCap, evict
+from benchmarks.memory_cap import evict
 from benchmarks.shapes import write_random_checkpoint
-from benchmarks.ssd import SHAPES, cpu_description
+from benchmarks.ssd import SHAPES, capped_run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "int4_flat"
 FLAT = 1.3  # the goal: the forward over 16 tokens within this factor of the 1-token forward
@@ -128,8 +125,10 @@ def reads_alone(streamer: LayerStreamer) -> float:
 
 def bound_gbps(long_file: Path, streamer: LayerStreamer, repeats: int = 3) -> float:
     """The disk's direct-read bandwidth: the best of ``repeats`` cold reads of ``long_file`` (the bf16 checkpoint, on
-    the same disk) by the streamer's own reader, in pieces of its largest unit, as many in flight as in its ring."""
-    piece = max(streamer._unit_bytes) // BLOCK * BLOCK
+    the same disk) by the streamer's own reader, in pieces of its largest unit read each forward, as many in flight as
+    in its ring."""
+    cycling = [size for size, stays in zip(streamer._unit_bytes, streamer._stays_loaded) if not stays]
+    piece = max(cycling) // BLOCK * BLOCK
     in_flight = streamer.prefetch + 1
     buffers = [aligned_empty(piece) for _ in range(in_flight)]
     file = WeightFile(long_file)
@@ -144,13 +143,22 @@ def bound_gbps(long_file: Path, streamer: LayerStreamer, repeats: int = 3) -> fl
 
 
 def forward(model, ids: torch.Tensor, clock: UnitClock) -> dict[str, float]:
-    """One forward over ``ids`` (logits for the last token, as a tree forward computes the head for few nodes)."""
+    """One forward over ``ids`` as SpecExec verifies a tree on a streamed target whose head stays loaded
+    (:func:`specexec_hf.hf.forward.node_logits`): the base model over every token, then the head over the rows the
+    walk reads (here the last one, a 2-d row).
+
+    Not ``model(ids, logits_to_keep=1)``: there the head takes a ``[1, 1, hidden]`` slice of the ``[1, n, hidden]``
+    hidden states, which torch's matmul does not fold into one product for ``n > 1``; it multiplies it as a batch,
+    copying the whole transposed head first (200 MB for the 1.7B shape, 1.4 s on one busy core of this VM), a
+    cost that ``n = 1`` does not pay and SpecExec's walk never does."""
     clock.reset()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
-        model(input_ids=ids, logits_to_keep=1, use_cache=False)
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        model.get_output_embeddings()(hidden[0, -1:])
     seconds = time.perf_counter() - started
-    return {"forward": seconds, "wait": clock.wait, "compute_in_units": clock.compute}
+    return {"forward": seconds, "wait": clock.wait, "compute_in_units": clock.compute,
+            "cpu": time.process_time() - cpu}
 
 
 def measure(model, widths: list[int], rounds: int) -> dict[str, Any]:
@@ -190,7 +198,10 @@ def summary(runs: dict[str, Any], read_bytes: int, bound_gbps: float, audit: Fig
         compute = statistics.median(r["forward"] - r["wait"] for r in rows)
         entry = {"forward_seconds": whole, "forward_spread": spread[n], "wait_seconds": wait,
                  "compute_seconds": compute, "compute_in_units_seconds": statistics.median(
-                     r["compute_in_units"] for r in rows)}
+                     r["compute_in_units"] for r in rows),
+                 # the process's CPU seconds (compute threads and readers): wall seconds far above cpu / threads mean
+                 # the compute threads waited for cores other processes held
+                 "cpu_seconds": statistics.median(r["cpu"] for r in rows)}
         if not audit.passes(f"width {n}", partial(parts_within, f"forward over {n} tokens", whole, {"waits": wait},
                                                               audit.noise)):
             continue
@@ -216,13 +227,13 @@ def markdown(report: dict[str, Any]) -> str:
          f"({figures.get('read_gbps', float('nan')):.2f} GB/s). Medians of {report.get('rounds')} interleaved "
          "rounds."),
         "",
-        "| tokens | forward (s) | x 1 token | compute (s) | waiting for reads (s) | reads alone (s) | overlap |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | forward (s) | x 1 token | compute (s) | waits (s) | reads alone (s) | overlap | CPU (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, entry in figures.get("widths", {}).items():
         lines.append(f"| {n} | {entry['forward_seconds']:.3f} | {entry.get('over_one_token', float('nan')):.2f} | "
                      f"{entry['compute_seconds']:.3f} | {entry['wait_seconds']:.3f} | {figures['read_seconds']:.3f} | "
-                     f"{entry['overlap']:.2f} |")
+                     f"{entry['overlap']:.2f} | {entry['cpu_seconds']:.3f} |")
     goal = report.get("goal")
     if goal:
         lines += ["", (f"Goal (forward over 16 tokens <= {FLAT}x over 1): {goal['over_one_token']:.2f}x, "
@@ -251,22 +262,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cap = None
-    if not args.no_cap:
-        reason = MemoryCap.unavailable()
-        if reason:
-            raise SystemExit(f"{reason}: run as root on a cgroup v1 machine, or pass --no-cap")
-        cap = MemoryCap(f"specexec-int4-flat-{os.getpid()}")
-        cap.join()
-    report: dict[str, Any] = {"environment": {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
-        "cap": "cgroup v1" if cap else "no cap",
-        "load_before": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python -m benchmarks.int4_flat",
-                             *(argv if argv is not None else sys.argv[1:])])},
-        "shape": SHAPES[args.shape].name, "rounds": args.rounds}
+    # ssd's cgroup and environment; its room (cache_fraction) is this run's, taken once the model is placed
+    cap, environment = capped_run(argparse.Namespace(**vars(args), cache_fraction=args.room), "int4_flat.py", argv)
+    report: dict[str, Any] = {"environment": environment, "shape": SHAPES[args.shape].name, "rounds": args.rounds}
     # the tiny shape (a smoke run) times a shared machine's noise: its checks catch signs and NaNs, not falls
     noise = STAND_IN if args.shape == "tiny" else MEASURED
     audit = FigureAudit(noise)
@@ -290,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         model = placed(checkpoint, folder, prefetch)
         streamer = layer_streamer(model)
         report.update(prefetch=prefetch, read_bytes=streamer.read_bytes_per_forward, ring_bytes=streamer.buffer_bytes)
+        report["bound_gbps"] = bound_gbps(checkpoint / "model.safetensors", streamer)  # its buffers outside the cap
+        gc.collect()
         if cap is not None:
             cap.reclaim()  # the files written and read so far are page cache, not this process's memory
             limit = cap.usage() + room
             cap.limit(limit)
             report.update(cap_bytes=limit, room_bytes=room, weights_over_room=weights / room)
-        report["bound_gbps"] = bound_gbps(checkpoint / "model.safetensors", streamer)
         runs = measure(model, args.widths, args.rounds)
         if cap is not None:
             report["peak_bytes"], report["cap_hits"] = cap.peak(), cap.failures()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not importable("optimum.quanto"), reason="needs 
 
 
 def forwards(seconds: float, wait: float) -> dict[str, float]:
-    return {"forward": seconds, "wait": wait, "compute_in_units": seconds - wait}
+    return {"forward": seconds, "wait": wait, "compute_in_units": seconds - wait, "cpu": seconds}
 
 
 def test_split_overlap_and_ratio_from_interleaved_rounds():
