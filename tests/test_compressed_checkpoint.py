@@ -17,7 +17,7 @@ from test_cuda_executor import layer_map, prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specexec_hf.offload import OrderCheckingDevice, layer_streamer, load_offloaded, stream_on_device
-from specexec_hf.offload.compressed import load_compressed, quanto_from_compressed
+from specexec_hf.offload.compressed import load_compressed, packed_checkpoint, quanto_from_compressed
 
 pytestmark = pytest.mark.skipif(
     not (importable("compressed_tensors") and importable("optimum.quanto")), reason="needs compressed-tensors, quanto"
@@ -189,7 +189,9 @@ def test_device_form_streams_packed_into_the_decompressed_models_logits(tmp_path
 
 
 def test_no_decompression_is_left_for_the_first_forward(tmp_path):
+    assert not packed_checkpoint(tmp_path)
     write_checkpoint(tmp_path)
+    assert packed_checkpoint(tmp_path)
     converted = load_compressed(tmp_path)
     with torch.no_grad():
         converted(prompt(0, 3))

@@ -24,8 +24,10 @@ int8 symmetric with one scale per row becomes quanto's int8 weight on every devi
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -94,6 +96,16 @@ class PackedScheme:
             return (f"its groups are {self.group_size or columns} wide; torch's int4 CPU kernel takes groups of "
                     f"{CPU_GROUP_SIZE} (or one scale per row of a multiple of {CPU_GROUP_SIZE})")
         return None
+
+
+def packed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint folder ``path`` is compressed-tensors packed (``pack-quantized``): what
+    :func:`load_compressed` loads, and ``from_pretrained`` alone would decompress at every forward."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    return quantization.get("quant_method") == "compressed-tensors" and quantization.get("format") == "pack-quantized"
 
 
 def load_compressed(
