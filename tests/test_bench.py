@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import benchmark_script, perturbed_copy, tiny_model
+from conftest import perturbed_copy, tiny_model
 
 from specexec_hf.core.config import SpecExecConfig
 from specexec_hf.hf import autobudget
@@ -148,7 +148,8 @@ def test_aligned_drafts_are_a_copy_of_the_target_or_its_self_drafts():
 def test_position_independent_ratio_matches_closed_forms() -> None:
     """A chain of n tokens accepted with probability a each yields 1 + a + ... + a^n; with only the top rank ever
     accepted the best tree is that chain, so the ratio is the deeper chain's over the best given chain."""
-    tokens_per_forward = benchmark_script("tokens_per_forward")
+    from benchmarks import tokens_per_forward
+
     a = 0.8
 
     def chain(n: int) -> float:

@@ -116,9 +116,8 @@ def test_a_shape_the_bytes_cannot_hold_is_refused_naming_it():
 
 
 def test_the_benchmark_times_both_unpacks_and_compares_their_integers(tmp_path, monkeypatch, patch):
-    from conftest import benchmark_script
+    from benchmarks import quanto_cpu_unpack as bench
 
-    bench = benchmark_script("quanto_cpu_unpack")
     monkeypatch.setattr("sys.argv", ["quanto_cpu_unpack.py", "--shapes", "48x256", "64x512", "--quanto-max-elements",
                                      "12288", "--out", str(tmp_path)])
     bench.main()
