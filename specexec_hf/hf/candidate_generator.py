@@ -7,10 +7,10 @@ children), and what the map learns once the target has walked the tree. :func:`g
 several generators at once (a serving batch): each round of their searches becomes one batched draft forward,
 padded per request, whatever the policy.
 
-The class keeps transformers' name for a draft-side object but not its ``CandidateGenerator`` interface: that
-interface proposes one chain per step, and transformers 5's assisted loop builds its own generator from the
-generation config (``_get_candidate_generator``), with no public way to hand it one; SpecExec's step
-(:mod:`.decoder`) verifies the whole tree instead.
+The class is a transformers :class:`~transformers.generation.candidate_generator.CandidateGenerator`: in
+transformers' own assisted loop it proposes the tree's most promising chain (:meth:`~.TokenTree.best_path`, the
+chain vLLM's chain mode proposes) and learns from the target's verdict, as any candidate generator does. SpecExec's
+own step (:mod:`.decoder`) verifies the whole tree instead, through the tree methods above the interface.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..core.acceptance_map import AcceptanceMap
 from ..core.config import SpecExecConfig
@@ -54,13 +56,20 @@ STAND_IN_TOKEN = 0
 vocabulary): any id would do, since the history only shapes the draft's guesses, never the output."""
 
 
-class SpecExecCandidateGenerator:
+class SpecExecCandidateGenerator(CandidateGenerator):
     """Grows token trees with a draft model, reusing the draft's KV cache across calls, and learns from their walks.
 
     Per tree: :meth:`start_tree` syncs the draft cache with the new history and starts the policy's search; for each
     draft forward, :meth:`feed` says what the draft runs and :meth:`expansion` turns its logits into what the search
     takes; after the target's walk, :meth:`observe` teaches the acceptance map. :meth:`grow_tree` does the forwards
     for one tree, :func:`grow_trees` for several at once.
+
+    As a transformers ``CandidateGenerator`` (the interface of transformers' assisted loop, ``_assisted_decoding``):
+    :meth:`get_candidates` grows a tree and proposes its most promising chain, :meth:`update_candidate_strategy`
+    teaches the acceptance map the target's choices along it. transformers 5.17-5.19 build the loop's generator in
+    ``GenerationMixin._get_candidate_generator`` and take none from the caller: to run this one there, have that
+    method return it (``tests/test_candidate_generator.py`` does). The chain is one root-to-leaf path of the tree,
+    so the loop's target forward checks fewer tokens than SpecExec's tree verification would.
 
     Args:
         draft_model: A causal LM sharing the target's tokenizer.
@@ -156,6 +165,8 @@ class SpecExecCandidateGenerator:
         self._search: TreeSearch | None = None
         self._grown_ahead = False
         self.seeded_trees = 0  # trees that started from a subtree grown ahead
+        # The last get_candidates' search and the history length it grew under, for update_candidate_strategy.
+        self._proposed: tuple[SearchResult, int] | None = None
 
     @property
     def cache(self) -> DynamicCache | StaticDraftCache:
@@ -170,6 +181,47 @@ class SpecExecCandidateGenerator:
     def grow_tree(self, input_ids: torch.Tensor, max_depth: int | None = None) -> SearchResult:
         """Grows the tree whose root is the last token of ``input_ids`` (shape ``[1, L]``)."""
         return grow_trees([(self, input_ids, max_depth)]).results[0]
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """transformers' candidate step: grows the tree under the last token of ``input_ids`` (``[1, L]``) and
+        proposes its most promising chain (:meth:`~.TokenTree.best_path`).
+
+        Returns:
+            ``[1, L + k]`` ``input_ids`` followed by the chain's ``k`` tokens, and ``[1, k, target_vocab_size]``
+            float32 logits of the distribution each candidate was drawn from: a point mass on it (0 at the
+            candidate, ``-inf`` elsewhere), since the chain is chosen, not drawn. transformers' speculative
+            sampling then accepts a candidate with the target's probability of it and otherwise draws from the
+            target's distribution without it, which is the target's own draw; greedy decoding ignores the logits
+            (unless ``assistant_ensemble_weight`` mixes them in). ``None`` instead when the tree has no node
+            beyond its root (no candidate).
+        """
+        result = self.grow_tree(input_ids)
+        chain = result.tree.tokens[result.tree.best_path()].to(input_ids.device)
+        self._proposed = (result, input_ids.shape[1])
+        if not chain.numel():
+            return input_ids, None
+        point_masses = torch.full(
+            (1, chain.numel(), self.target_vocab_size), -math.inf, dtype=torch.float32, device=input_ids.device
+        )
+        point_masses.scatter_(-1, chain.view(1, -1, 1), 0.0)
+        return torch.cat([input_ids, chain[None].to(input_ids.dtype)], dim=1), point_masses
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """transformers' feedback after its target checked the last :meth:`get_candidates` chain: the committed
+        tokens since (``input_ids`` now ``[1, L']``) are the target's choices down that tree from its root, which
+        :meth:`observe` teaches the tree policy and the acceptance map, as after SpecExec's own walk.
+
+        Args:
+            input_ids: The committed tokens, the accepted candidates and the target's next token included.
+            scores: The target's processed logits at the candidates (unused: the committed tokens are its choices,
+                greedy or drawn, and the map learns each candidate's acceptance from them without bias).
+            num_matches: Candidates accepted (unused: the committed tokens say it).
+        """
+        if self._proposed is None:
+            return
+        result, proposed_at = self._proposed
+        self._proposed = None
+        self.observe(result, input_ids[0, proposed_at:].tolist())
 
     def start_tree(self, input_ids: torch.Tensor, max_depth: int | None = None) -> TreeSearch:
         """Takes the new token history, cuts the draft cache back to what still matches it, and starts the search
