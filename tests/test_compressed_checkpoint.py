@@ -189,13 +189,20 @@ def test_device_form_streams_packed_into_the_decompressed_models_logits(tmp_path
 
 
 def test_no_decompression_is_left_for_the_first_forward(tmp_path):
-    assert not packed_checkpoint(tmp_path)
     write_checkpoint(tmp_path)
     assert packed_checkpoint(tmp_path)
     converted = load_compressed(tmp_path)
     with torch.no_grad():
         converted(prompt(0, 3))
     assert type(converted.model.layers[0].mlp.up_proj.weight).__name__ == "TinyGemmWeightQBitsTensor"
+
+
+def test_a_checkpoint_that_is_not_packed_is_refused_before_its_weights_load(tmp_path):
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    assert not packed_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="not a compressed-tensors 'pack-quantized' checkpoint.*quantize='int4'"):
+        load_compressed(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -24,14 +24,15 @@ int8 symmetric with one scale per row becomes quanto's int8 weight on every devi
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 INT4_OFFSET = 8
 """What compressed-tensors adds to the signed 4-bit integers it packs (and quanto's unsigned nibbles hold)."""
@@ -62,7 +63,8 @@ class PackedScheme:
     extras: tuple[str, ...]
 
     @classmethod
-    def of(cls, module: nn.Module) -> PackedScheme:
+    def of(cls, module: Any) -> PackedScheme:
+        """The scheme of ``module``, a linear layer compressed-tensors packed (attributes compressed-tensors adds)."""
         scheme = module.quantization_scheme.weights
         columns = int(module.weight_shape[1])
         groups = module.weight_scale.shape[-1]
@@ -98,18 +100,19 @@ class PackedScheme:
         return None
 
 
-def packed_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint folder ``path`` is compressed-tensors packed (``pack-quantized``): what
+def packed_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether checkpoint ``path`` (a folder or a hub id) is compressed-tensors packed (``pack-quantized``): what
     :func:`load_compressed` loads, and ``from_pretrained`` alone would decompress at every forward."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    from transformers import AutoConfig
+
+    quantization = getattr(AutoConfig.from_pretrained(path), "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
     return quantization.get("quant_method") == "compressed-tensors" and quantization.get("format") == "pack-quantized"
 
 
 def load_compressed(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> PreTrainedModel:
     """A compressed-tensors packed checkpoint (a local folder or a hub id) as a model of quanto layers over its
     integers (:func:`quanto_from_compressed`), in host memory, ready for
@@ -121,12 +124,18 @@ def load_compressed(
         dtype: The dtype of the layers left unquantized (embedding, norms, head); ``None``: the checkpoint's.
 
     Raises:
-        ValueError: As :func:`quanto_from_compressed`; the checkpoint is not compressed-tensors packed.
+        ValueError: The checkpoint is not compressed-tensors packed (checked before its weights load); as
+            :func:`quanto_from_compressed`.
     """
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     from ..hf.compat import use_sdpa_attention
 
+    if not packed_checkpoint(path):
+        raise ValueError(
+            f"{path} is not a compressed-tensors 'pack-quantized' checkpoint (its config.json has no such "
+            "quantization_config). Load it with load_offloaded(path, ...), with quantize='int4' to quantize it."
+        )
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=CompressedTensorsConfig(dequantize=False), dtype=dtype or "auto",
         attn_implementation="sdpa",
@@ -134,7 +143,7 @@ def load_compressed(
     return use_sdpa_attention(quanto_from_compressed(model, device)).eval()
 
 
-def quanto_from_compressed(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+def quanto_from_compressed(model: ModelT, device: str | torch.device = "cpu") -> ModelT:
     """Replaces, in place, each linear layer holding a compressed-tensors packed weight by an optimum-quanto
     ``QLinear`` over the same integers, in the form that computes on ``device`` (see the module), and drops
     compressed-tensors' decompress-on-first-forward hook. Every layer's scheme is checked before any is converted.
@@ -156,8 +165,8 @@ def quanto_from_compressed(model: nn.Module, device: str | torch.device = "cpu")
             reason and the fix; nothing is converted then.
     """
     on_cpu = torch.device(device).type == "cpu"
-    packed = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, nn.Linear) and "weight_packed" in module._parameters]
+    packed: list[tuple[str, Any]] = [(name, module) for name, module in model.named_modules()
+                                     if isinstance(module, nn.Linear) and "weight_packed" in module._parameters]
     for name, module in packed:
         scheme = PackedScheme.of(module)
         reason = scheme.unsupported(int(module.weight_shape[1]), on_cpu)
@@ -178,7 +187,7 @@ def quanto_from_compressed(model: nn.Module, device: str | torch.device = "cpu")
     return model
 
 
-def _quanto_linear(module: nn.Linear, on_cpu: bool) -> nn.Module:
+def _quanto_linear(module: Any, on_cpu: bool) -> nn.Module:
     """The quanto ``QLinear`` holding ``module``'s packed weight (a scheme :class:`PackedScheme` accepts)."""
     from optimum.quanto import QLinear, qint4, qint8
 
@@ -193,7 +202,7 @@ def _quanto_linear(module: nn.Linear, on_cpu: bool) -> nn.Module:
     return linear
 
 
-def _int4_weight(module: nn.Module, on_cpu: bool) -> torch.Tensor:
+def _int4_weight(module: Any, on_cpu: bool) -> torch.Tensor:
     """quanto's int4 weight over ``module``'s integers: TinyGemm's on the CPU, the generic packing elsewhere."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from optimum.quanto import WeightQBitsTensor, qint4
@@ -219,7 +228,7 @@ def _int4_weight(module: nn.Module, on_cpu: bool) -> torch.Tensor:
     return WeightQBitsTensor(qint4, 0, group_size, (rows, columns), (columns, 1), values, scale, zero_point)
 
 
-def _int8_weight(module: nn.Module) -> torch.Tensor:
+def _int8_weight(module: Any) -> torch.Tensor:
     """quanto's int8 weight (one scale per row) over ``module``'s integers."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from optimum.quanto import WeightQBytesTensor, qint8
