@@ -54,7 +54,6 @@ from specexec_hf.offload import direct_io
 from benchmarks.memory_cap import cached_bytes, evict
 from benchmarks.report import table, write_report
 
-
 READS_INTO = {
     "runai": "its own buffer, then copied",
     "fastsafetensors": "its own buffers, whole file",

@@ -11,7 +11,6 @@ import pytest
 from benchmarks import related_systems as related
 
 
-
 def test_methods_cover_every_option_with_its_draft_budget_and_policy():
     draft, int4, layer = object(), object(), object()
     args = SimpleNamespace(budgets=[16, 64], int4_budgets=[16, 64], layer_draft_budgets=[16], sequoia_budgets=None,

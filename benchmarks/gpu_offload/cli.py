@@ -22,7 +22,7 @@ from benchmarks.gpu_offload.draft import draft_timing
 from benchmarks.gpu_offload.end_to_end import end_to_end, end_to_end_pair, failing_mismatches
 from benchmarks.gpu_offload.forward import largest_bf16_shape, measure_shape
 from benchmarks.gpu_offload.link import link_bandwidth
-from benchmarks.shapes import DRAFT_SHAPES, LlamaShape, SHAPES
+from benchmarks.shapes import DRAFT_SHAPES, SHAPES, LlamaShape
 from benchmarks.timing import Deadline
 
 SECTIONS = ("link", "forward", "draft", "end_to_end", "largest", "disk")

@@ -17,8 +17,7 @@ from specexec_hf.offload import load_offloaded
 
 from benchmarks.gpu_offload.placement import collect, gpu_budget_bytes, placement_bytes, release
 from benchmarks.synthetic_models import make_tiny_pair
-from benchmarks.timing import Deadline, TIME_SPLIT, timed_generate
-
+from benchmarks.timing import TIME_SPLIT, Deadline, timed_generate
 
 # An offloaded target's greedy tokens may leave the in-memory ones where the in-memory model's top two logits
 # differ by rounding only (other kernels, other summation order): such a divergence is reported, not failed.

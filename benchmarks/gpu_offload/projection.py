@@ -11,7 +11,6 @@ from benchmarks.figure_checks import ratio
 from benchmarks.report import Goal
 from benchmarks.shapes import GB, interpolate
 
-
 # The CPU runs of `specexec-hf bench` whose pair rates stand in when this run measured none.
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
