@@ -67,33 +67,36 @@ GB = 1e9
 
 
 class UnitClock:
-    """Per streamed unit, the time its forward waited for its weights and the time it computed, summed per forward.
+    """Per streamed unit (in execution order), the time its forward waited for its weights and the time it computed,
+    over the forward since :meth:`reset`.
 
     Hooks: one before the streamer's own pre-hook (entering the unit), one after it (weights ready), one after the
     unit's forward (done).
     """
 
     def __init__(self, streamer: LayerStreamer):
-        self.wait = 0.0
-        self.compute = 0.0
+        self.names = streamer.unit_names
+        self.wait = [0.0] * len(self.names)
+        self.compute = [0.0] * len(self.names)
         self._entered = self._ready = 0.0
-        for module, _ in streamer._units:
+        for position, (module, _) in enumerate(streamer._units):
             module.register_forward_pre_hook(self._enter, prepend=True)
-            module.register_forward_pre_hook(self._weights_ready)
-            module.register_forward_hook(self._done)
+            module.register_forward_pre_hook(partial(self._weights_ready, position))
+            module.register_forward_hook(partial(self._done, position))
 
     def reset(self) -> None:
-        self.wait = self.compute = 0.0
+        self.wait = [0.0] * len(self.names)
+        self.compute = [0.0] * len(self.names)
 
     def _enter(self, module, args) -> None:
         self._entered = time.perf_counter()
 
-    def _weights_ready(self, module, args) -> None:
+    def _weights_ready(self, position: int, module, args) -> None:
         self._ready = time.perf_counter()
-        self.wait += self._ready - self._entered
+        self.wait[position] += self._ready - self._entered
 
-    def _done(self, module, args, output) -> None:
-        self.compute += time.perf_counter() - self._ready
+    def _done(self, position: int, module, args, output) -> None:
+        self.compute[position] += time.perf_counter() - self._ready
 
 
 def reads_in_turn(reader: DirectReader, plans: list[ReadPlan], in_flight: int) -> float:
@@ -157,8 +160,8 @@ def forward(model, ids: torch.Tensor, clock: UnitClock) -> dict[str, float]:
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
         model.get_output_embeddings()(hidden[0, -1:])
     seconds = time.perf_counter() - started
-    return {"forward": seconds, "wait": clock.wait, "compute_in_units": clock.compute,
-            "cpu": time.process_time() - cpu}
+    return {"forward": seconds, "wait": sum(clock.wait), "compute_in_units": sum(clock.compute),
+            "cpu": time.process_time() - cpu, "wait_by_unit": clock.wait, "compute_by_unit": clock.compute}
 
 
 def measure(model, widths: list[int], rounds: int) -> dict[str, Any]:
@@ -201,7 +204,9 @@ def summary(runs: dict[str, Any], read_bytes: int, bound_gbps: float, audit: Fig
                      r["compute_in_units"] for r in rows),
                  # the process's CPU seconds (compute threads and readers): wall seconds far above cpu / threads mean
                  # the compute threads waited for cores other processes held
-                 "cpu_seconds": statistics.median(r["cpu"] for r in rows)}
+                 "cpu_seconds": statistics.median(r["cpu"] for r in rows),
+                 # per streamed unit (decoder layers, then the head), in execution order
+                 "wait_by_unit": per_unit(rows, "wait_by_unit"), "compute_by_unit": per_unit(rows, "compute_by_unit")}
         if not audit.passes(f"width {n}", partial(parts_within, f"forward over {n} tokens", whole, {"waits": wait},
                                                               audit.noise)):
             continue
@@ -212,6 +217,13 @@ def summary(runs: dict[str, Any], read_bytes: int, bound_gbps: float, audit: Fig
             entry["over_one_token"] = whole / one
         figures["widths"][n] = entry
     return figures
+
+
+def per_unit(rows: list[dict[str, Any]], key: str) -> list[float] | None:
+    """The median over ``rows`` of each unit's figure ``key``; ``None`` where the rows do not have it."""
+    if not all(key in row for row in rows):
+        return None
+    return [statistics.median(values) for values in zip(*(row[key] for row in rows))]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             limit = cap.usage() + room
             cap.limit(limit)
             report.update(cap_bytes=limit, room_bytes=room, weights_over_room=weights / room)
+        report["units"] = streamer.unit_names
         runs = measure(model, args.widths, args.rounds)
         if cap is not None:
             report["peak_bytes"], report["cap_hits"] = cap.peak(), cap.failures()

@@ -52,6 +52,9 @@ def test_a_tiny_run_writes_checked_figures_and_deletes_its_files(tmp_path):
     int4_flat.main(arguments)  # the tiny shape's timings are noise: its exit status may say a check failed
     report = json.loads((out / "int4_flat.json").read_text())
     assert report["prefetch"] >= 1 and report["read_bytes"] > 0
-    assert all(entry["forward_seconds"] > 0 for entry in report["figures"]["widths"].values())
+    for entry in report["figures"]["widths"].values():
+        assert entry["forward_seconds"] > 0
+        assert len(entry["compute_by_unit"]) == len(entry["wait_by_unit"]) == len(report["units"])  # layers, head
+        assert sum(entry["compute_by_unit"]) <= entry["forward_seconds"]
     assert (out / "int4_flat.md").is_file()
     assert list((tmp_path / "w").iterdir()) == []
