@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specexec_hf
-from specexec_hf.hf.self_draft import SELF_DRAFT_ATTRIBUTE
 from specexec_hf.models import SELF_DRAFTS, resolve_draft, self_draft
+from specexec_hf.models.self_draft import SELF_DRAFT_ATTRIBUTE
 
 pytest.importorskip("optimum.quanto")
 

@@ -17,8 +17,8 @@ from tolerances import model_bound
 from transformers import DynamicCache, T5Config, T5ForConditionalGeneration
 
 import specexec_hf
-from specexec_hf.hf.self_draft import SELF_DRAFT_ATTRIBUTE, layer_spec, resident_layers
 from specexec_hf.models import resolve_draft
+from specexec_hf.models.self_draft import SELF_DRAFT_ATTRIBUTE, layer_spec, resident_layers
 from specexec_hf.offload import layer_streamer
 
 # Families with full, sliding and mixed attention layers; the hybrid one's layer types are given for 2 layers.

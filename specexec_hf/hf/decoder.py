@@ -27,6 +27,7 @@ from ..core.tree import TokenTree
 from ..core.verify import Acceptance, acceptance_walk, rejection_sample
 from .autobudget import AutoBudget
 from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
+from .executor import executor_of
 from .forward import NodeLogits
 from .hierarchy import IntermediateDraft
 from .request import Request
@@ -172,9 +173,8 @@ def check_draft_ahead(target: PreTrainedModel, draft: PreTrainedModel) -> None:
         draft: The draft.
     """
     draft_modules = {id(module) for module in draft.modules()}
-    # Set by specexec_hf.offload's executors, which this layer does not import (they sit above it).
-    streamer = getattr(target, "_specexec_layer_streamer", None)
-    streamed = list(streamer.unit_names) if streamer is not None else []
+    executor = executor_of(target)
+    streamed = list(executor.unit_names) if executor is not None else []
     hooked = [name for name, module in target.named_modules() if hasattr(module, "_hf_hook")]
     shared = [name for name in streamed + hooked if id(target.get_submodule(name)) in draft_modules]
     if shared:

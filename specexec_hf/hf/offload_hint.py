@@ -2,7 +2,8 @@
 too shallow for SpecExec leaves the disk idle while the draft grows each tree.
 
 It lives in the adapter layer, below :mod:`specexec_hf.offload`, so that the generate path can call it; it tells
-accelerate's hooks and the streaming executor apart by their attributes and imports nothing from the executors.
+accelerate's hooks by their attributes and asks the streaming executor through :mod:`.executor`'s protocol, importing
+nothing from the executors.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..core.stats import StepStats
+from .executor import executor_of
 
 logger = logging.getLogger(__name__)
 _hinted = False
@@ -65,12 +67,13 @@ class ReadAheadWatch:
     their own, so a deeper ring can be smaller), or else the deepest ring that still streams.
 
     Args:
-        model: The target (with ``_specexec_layer_streamer`` when streamed; otherwise the watch does nothing).
+        model: The target (streamed when :func:`~.executor.executor_of` finds its executor; otherwise the watch does
+            nothing).
         steps: The call's statistics steps, to which :meth:`finish` looks for the steps added since.
     """
 
     def __init__(self, model: nn.Module, steps: list[StepStats]):
-        self._streamer = getattr(model, "_specexec_layer_streamer", None)
+        self._streamer = executor_of(model)
         self._steps, self._first_step = steps, len(steps)
         if self._streamer is not None:
             self._forwards = self._streamer.forwards_begun

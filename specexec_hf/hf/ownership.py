@@ -1,9 +1,10 @@
 """Exclusive use of a model for a whole call, where its executor's state cannot be shared between calls.
 
-A streamed target computes out of one ring of weight buffers (the executors of ``specexec_hf.offload``, which this
-layer does not import): two calls running at once would overwrite each other's weights. Such an executor satisfies
-:class:`ExclusiveExecutor`; ``generate()`` (this adapter's and, through the patch, transformers' own) holds it for the
-whole call (:func:`exclusive_call`), and the executor holds it for each top-level forward.
+A streamed target computes out of one ring of weight buffers (the executors of ``specexec_hf.offload``, found
+through :func:`~.executor.executor_of`): two calls running at once would overwrite each other's weights. Its
+:meth:`~.executor.StreamingExecutor.exclusive_use` is the hold: ``generate()`` (this adapter's and, through the
+patch, transformers' own) holds it for the whole call (:func:`exclusive_call`), and the executor holds it for each
+top-level forward.
 
 The hold belongs to a call, not to a thread (:class:`CallLock`): it is recorded in the caller's context
 (:mod:`contextvars`), so a thread the call starts for itself in a copy of that context
@@ -18,9 +19,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 from torch import nn
+
+from .executor import executor_of
 
 _HOLDS: ContextVar[frozenset[object]] = ContextVar("specexec_call_lock_holds", default=frozenset())
 """The holds (one token per :class:`CallLock` held) of the calls running in this context."""
@@ -59,20 +62,11 @@ class CallLock:
                 self._released.notify()
 
 
-@runtime_checkable
-class ExclusiveExecutor(Protocol):
-    """An executor whose state one call at a time may use (a streamed target's ring of weight buffers)."""
-
-    def exclusive_use(self) -> AbstractContextManager[None]:
-        """Held for a whole call (a :meth:`CallLock.held`): waits while another call uses the model."""
-        ...
-
-
 def exclusive_use(model: nn.Module) -> AbstractContextManager[None]:
-    """The exclusive use of ``model``'s executor, or nothing to hold where calls may share the model."""
-    # Set by specexec_hf.offload's executors, which this layer does not import (they sit above it).
-    executor = getattr(model, "_specexec_layer_streamer", None)
-    return executor.exclusive_use() if isinstance(executor, ExclusiveExecutor) else nullcontext()
+    """The exclusive use of ``model``'s executor (:func:`~.executor.executor_of`), or nothing to hold where calls
+    may share the model."""
+    executor = executor_of(model)
+    return executor.exclusive_use() if executor is not None else nullcontext()
 
 
 def exclusive_call(function: Callable[..., Result]) -> Callable[..., Result]:

@@ -1,18 +1,8 @@
 """Models and drafts: the default SmolLM2 pair, drafts that share their target's embedding, self-drafts (the target
-quantized), subset heads, int8 draft layers."""
+quantized, or some of its layers; importing them registers the resolver of ``generate()``'s draft names), subset
+heads, int8 draft layers."""
 
 from ..core.precision import native_bfloat16_cpu
-from ..hf.self_draft import (
-    LAYER_SELF_DRAFTS,
-    SELF_DRAFTS,
-    ExitAdapter,
-    layer_self_draft,
-    load_tuned_exit,
-    resident_layers,
-    resolve_draft,
-    save_tuned_exit,
-    self_draft,
-)
 from .default_pair import (
     default_draft_dtype,
     default_target_dir,
@@ -29,6 +19,17 @@ from .drafts import (
     read_draft_export,
 )
 from .int8_draft import int8_draft
+from .self_draft import (
+    LAYER_SELF_DRAFTS,
+    SELF_DRAFTS,
+    ExitAdapter,
+    layer_self_draft,
+    load_tuned_exit,
+    resident_layers,
+    resolve_draft,
+    save_tuned_exit,
+    self_draft,
+)
 from .vocab import SubsetLMHead, frequent_tokens, restrict_draft_vocabulary
 
 __all__ = [

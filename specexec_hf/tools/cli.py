@@ -193,7 +193,7 @@ def _check_layer_self_draft(name: str, target_config: Any) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..hf.self_draft import layer_spec
+    from ..models.self_draft import layer_spec
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(target_config)

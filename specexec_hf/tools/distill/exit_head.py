@@ -1,6 +1,6 @@
 """Stage ``exit``: tune a layer self-draft's exit (LayerSkip without retraining the target).
 
-The draft is the target's first ``--exit-layers`` decoder layers, then an :class:`~specexec_hf.hf.self_draft.
+The draft is the target's first ``--exit-layers`` decoder layers, then an :class:`~specexec_hf.models.self_draft.
 ExitAdapter` (a rank ``--exit-rank`` residual map, starting as the identity), then the target's final norm and LM
 head. Only the adapter learns, from the stored target distributions (``--stage generate``'s shards) with the same
 KL loss as the ``train`` stage; the target's layers are shared and frozen. The report compares the untrained and the
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ...hf.self_draft import ExitAdapter, layer_self_draft, save_tuned_exit
+from ...models.self_draft import ExitAdapter, layer_self_draft, save_tuned_exit
 from .evaluate import agreement, eval_references, forward_cost
 from .generate import shard_paths
 from .train import ScoredTokens, batches, collate, load_examples, require_stopping_rule
