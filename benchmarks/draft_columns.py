@@ -20,6 +20,7 @@ Run: .venv/bin/python -m benchmarks.draft_columns [--budgets 16 64 128] [--promp
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,21 +49,23 @@ def full_rows():
 WAYS = {"full rows": full_rows, "scored columns": nullcontext}
 
 
+def ranked_children(head, hidden: torch.Tensor, compact: bool) -> torch.Tensor:
+    """The top-``BRANCH`` children's token ids per row, over the scored columns if ``compact`` else full rows."""
+    with head.compact_scores() if compact else nullcontext() as columns:
+        logprobs = torch.log_softmax(head(hidden), dim=-1)
+    tokens = logprobs.topk(BRANCH, dim=-1).indices
+    return tokens if columns is None else columns[tokens]
+
+
 @torch.no_grad()
 def ranking(head, rows: list[int], repeats: int) -> list[dict]:
     table = []
     for count in rows:
         hidden = torch.randn(count, head.weight.shape[1])
-
-        def children(compact: bool):
-            with head.compact_scores() if compact else nullcontext() as columns:
-                logprobs = torch.log_softmax(head(hidden), dim=-1)
-            tokens = logprobs.topk(BRANCH, dim=-1).indices
-            return tokens if columns is None else columns[tokens]
-
+        children = partial(ranked_children, head, hidden)
         row = {"rows": count, "equal children": torch.equal(children(False), children(True))}
         for way, compact in (("full rows", False), ("scored columns", True)):
-            row[f"{way} ms"] = milliseconds(lambda: children(compact), repeats)
+            row[f"{way} ms"] = milliseconds(partial(children, compact), repeats)
         table.append(row)
         print(row, flush=True)
     return table

@@ -258,7 +258,8 @@ def markdown(report: dict[str, Any]) -> str:
     if not summary:
         return "\n".join([*lines, "", "(nothing measured yet)"]) + "\n"
     done = len({row["prompt"] for row in entry["rows"]})
-    lines += ["", f"{done} of {entry['prompts']} held-out prompts ({', '.join(map(str, entry.get('prompt_tokens', [])))} "
+    prompt_tokens = ", ".join(map(str, entry.get("prompt_tokens", [])))
+    lines += ["", f"{done} of {entry['prompts']} held-out prompts ({prompt_tokens} "
               f"tokens) x {entry['max_new_tokens']} new tokens; greedy and "
               f"temperature 0.6 (the model's other sampling settings: {entry.get('sampling_defaults')}); every weight "
               "of the target streamed from disk for every forward.", ""]

@@ -70,8 +70,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"{env['cap']}. Command: `{env['command']}`", "",
              f"{report['prompts']} held-out prompts x {report['max_new_tokens']} new tokens, greedy; the target gets "
              f"{report['weights_memory']} of its weights' size in all (ring included).", "",
-             "| run | units read ahead | ring MB | highest peak / cap | plain tok/s | SpecExec tok/s | SpecExec / plain "
-             "| tokens per forward | = plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| run | units read ahead | ring MB | highest peak / cap | plain tok/s | SpecExec tok/s "
+             "| SpecExec / plain | tokens per forward | = plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for run in report["runs"]:
         plain, tree = run["methods"]["plain generate"], run["methods"][report["specexec"]]
         peak = f"{run['peak_over_cap']:.2f}" if run.get("peak_over_cap") else "no cap"

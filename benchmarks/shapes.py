@@ -176,7 +176,7 @@ def write_random_checkpoint(shape: LlamaShape, dtype: torch.dtype, directory: Pa
     partial = weights.with_suffix(".partial")
     with open(partial, "wb") as handle:
         handle.write(len(encoded).to_bytes(8, "little") + encoded)
-        for name, tensor in names.items():
+        for tensor in names.values():
             if tensor.dim() == 1:
                 handle.write(torch.ones(tensor.shape, dtype=dtype).view(torch.uint8).numpy().tobytes())
                 continue

@@ -11,10 +11,12 @@ bigger than RAM. Each section rewrites ``ssd.json`` / ``ssd.md`` / ``ssd.png`` a
 2. **forward**: seconds of one forward against the tokens scored (1, 4, 16, 64, 256), weights streamed from disk
    by the stream executor, for the default target and random-weight shapes written to ``--shape-dir``
    (SmolLM2-1.7B and Llama-3-8B in bf16; deleted after their curves unless ``--keep-shapes``); as a share of the
-   bound (the bytes read from the files per forward over the bound), and the flat region (the most tokens whose forward stays within 1.3x the 1-token forward). The memory
-   the cap leaves above the process's own before loading (ring, activations, page cache) is ``--cache-fraction``
-   (0.45) of the shape's weights, so the shapes' weights are 2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``bf16-f32`` rows stream the same bf16 checkpoint into a float32 model (each layer widened as it
-   lands: the same disk bytes, float32 compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows load the same bf16
+   bound (the bytes read from the files per forward over the bound), and the flat region (the most tokens whose
+   forward stays within 1.3x the 1-token forward). The memory the cap leaves above the process's own before loading
+   (ring, activations, page cache) is ``--cache-fraction`` (0.45) of the shape's weights, so the shapes' weights are
+   2-2.2x their cap; the peak the group was charged (process plus page cache) is reported. ``bf16-f32`` rows stream
+   the same bf16 checkpoint into a float32 model (each layer widened as it lands: the same disk bytes, float32
+   compute, what a CPU without native bf16 matmuls is better served by). ``int4`` rows load the same bf16
    checkpoint with ``load_offloaded(..., quantize="int4")``: the library quantizes the decoder layers to
    optimum-quanto qint4 (torch's packed int4 CPU kernel) one at a time as they load, writes them packed to
    ``--shape-dir`` and streams them, the embedding and head read from the checkpoint (read-ahead ``--prefetch``,
@@ -48,6 +50,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -529,7 +532,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown tables."""
     env = report["environment"]
     lines = ["# A model bigger than RAM, streamed from the SSD", "",
-             f"{env['machine']} ({env.get('cpu', 'processor not recorded')}); torch {env['torch']}, transformers {env['transformers']}; {env['threads']} thread(s); "
+             f"{env['machine']} ({env.get('cpu', 'processor not recorded')}); torch {env['torch']}, "
+             f"transformers {env['transformers']}; {env['threads']} thread(s); "
              f"memory cap: {env['cap']}; cache fraction {env['cache_fraction']}; load average {env['load_before']} "
              f"before. Command: `{env['command']}`", ""]
     if report.get("bound"):
@@ -571,7 +575,8 @@ def markdown(report: dict[str, Any]) -> str:
     e2e = report.get("end_to_end")
     if e2e and "methods" in e2e:
         cap = (f"capped at {e2e['limit_bytes'] / 1e6:.0f} MB: the process's own {e2e['usage_before_bytes'] / 1e6:.0f} "
-               f"MB after loading and warm-ups (draft, runtime, ring) plus {(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
+               "MB after loading and warm-ups (draft, runtime, ring) plus "
+               f"{(e2e['limit_bytes'] - e2e['usage_before_bytes']) / 1e6:.0f} "
                f"MB of room (activations and page cache); the target's {e2e['weights_bytes'] / 1e6:.0f} MB of weights "
                f"get {e2e['weights_memory']:.2f} of their size in all, the ring "
                f"({e2e.get('ring_bytes', 0) / 1e6:.0f} MB at prefetch {e2e.get('prefetch')}, sized within it before "
@@ -618,7 +623,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(6, 4))
     for curve in (curve for curve in report.get("forward", []) if "seconds" in curve):
         points = sorted((int(n), r) for n, r in curve["over_one_token"].items())
-        axis.plot([n for n, _ in points], [r for _, r in points], marker="o", label=f"{curve['shape']} {curve['dtype']}")
+        axis.plot([n for n, _ in points], [r for _, r in points], marker="o",
+                  label=f"{curve['shape']} {curve['dtype']}")
     axis.axhline(FLAT, color="grey", linestyle=":", label=f"{FLAT}x")
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens scored in one forward")
@@ -742,7 +748,8 @@ def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | N
         cap = MemoryCap(f"specexec-{Path(script).stem}-{os.getpid()}")
         cap.join()  # first: pages charged before joining would stay outside the group
     return cap, {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(), "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_description(),
+        "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
         "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
@@ -774,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"writing {label} bf16 to {where}", flush=True)
             written.append(where)
             if run_section(report, f"write {label}", args.out,
-                           lambda: write_random_checkpoint(shape, torch.bfloat16, where)):
+                           partial(write_random_checkpoint, shape, torch.bfloat16, where)):
                 runs += [(label, where, dtype) for dtype in computed]
         bound_gbps = 0.0
         if "bound" in args.sections:
@@ -789,18 +796,18 @@ def main(argv: list[str] | None = None) -> int:
         if "forward" in args.sections:
             for position, (label, checkpoint, dtype) in enumerate(runs):
                 name = f"forward {label}" + (f" {str(dtype).removeprefix('torch.')}" if dtype else "")
-                curve = run_section(report, name, args.out, lambda: forward_curve(
-                    checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps, dtype))
+                curve = run_section(report, name, args.out, partial(
+                    forward_curve, checkpoint, label, args.token_counts, args.repeats, cap, args, bound_gbps, dtype))
                 if curve:
                     report["forward"].append(curve)
                 used_later = quantized or any(later == checkpoint for _, later, _ in runs[position + 1 :])
                 if checkpoint in written and not used_later and not args.keep_shapes:
                     shutil.rmtree(checkpoint)
-            for label, (shape, checkpoint) in shapes.items() if quantized else []:
+            for label, (_, checkpoint) in shapes.items() if quantized else []:
                 folder = args.shape_dir / f"{checkpoint.name}-int4"
                 written.append(folder)
-                curve = run_section(report, f"forward {label} int4", args.out, lambda: int4_curve(
-                    checkpoint, label, folder, args.token_counts, args.repeats, cap, args, bound_gbps))
+                curve = run_section(report, f"forward {label} int4", args.out, partial(
+                    int4_curve, checkpoint, label, folder, args.token_counts, args.repeats, cap, args, bound_gbps))
                 if curve:
                     report["forward"].append(curve)
                 for path in (folder, checkpoint) if not args.keep_shapes else ():

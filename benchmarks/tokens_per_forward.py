@@ -14,11 +14,11 @@ prompt as in a real session; ``--warmup-prompts N`` first has every run decode N
 benchmarked one), unmeasured, so the grid shows the map after earlier requests rather than on its first tree.
 
 Each draft's top-1 agreement with the target (how often its top token is the target's, along the target's greedy
-answers to held-out prompts) and forward cost (median wall time of a draft forward over the target's, at 16 and at 128 tokens, with the
-draft's real kernels) come first. The trees of the self-drafts are grown, unless ``--quantized-kernels``, by a
-float twin holding the same dequantized weights: quanto's CPU kernels dequantize the weights on every forward,
-which would make the grid several times slower, and tokens per target forward do not depend on the kernel (the
-twin's top-1 agreement with the quantized model is reported).
+answers to held-out prompts) and forward cost (median wall time of a draft forward over the target's, at 16 and at
+128 tokens, with the draft's real kernels) come first. The trees of the self-drafts are grown, unless
+``--quantized-kernels``, by a float twin holding the same dequantized weights: quanto's CPU kernels dequantize the
+weights on every forward, which would make the grid several times slower, and tokens per target forward do not
+depend on the kernel (the twin's top-1 agreement with the quantized model is reported).
 
 Greedy outputs are checked against plain generate(). Writes JSON, Markdown and a PNG plot to
 benchmarks/results/tokens_per_forward/.
@@ -340,7 +340,8 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
                 ours = tpf(draft, "specexec", temperature, budget)
                 rivals = [v for v in (tpf(draft, m, temperature, budget) for m in ("specinfer", "sequoia")) if v]
                 if ours is not None and rivals:
-                    verdicts.append(f"{budget}: {ours:.2f} vs {max(rivals):.2f} {'ok' if ours >= max(rivals) else 'NO'}")
+                    verdict = "ok" if ours >= max(rivals) else "NO"
+                    verdicts.append(f"{budget}: {ours:.2f} vs {max(rivals):.2f} {verdict}")
             if verdicts:
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, SpecExec >= best static tree: "
                              + "; ".join(verdicts))
@@ -359,7 +360,8 @@ def goal_lines(report: dict, args: argparse.Namespace) -> list[str]:
             if acceptance and chains and temperature == 0:  # a greedy chain's token is accepted with p[0]
                 lines.append(f"- {DRAFT_LABELS[draft]}, t={temperature:g}, under position-independent acceptance "
                              f"(the measured rank vector), the best 256-node tree over the best chain of "
-                             f"{'/'.join(map(str, chains))}: {position_independent_ratio(acceptance, 256, chains):.2f}x")
+                             f"{'/'.join(map(str, chains))}: "
+                             f"{position_independent_ratio(acceptance, 256, chains):.2f}x")
             for numerator, denominator, label in (("specexec", "specexec_raw", "calibrated / raw"),
                                                   ("specexec_drawn", "specexec", "drawn children / top tokens")):
                 ratios = [(b, tpf(draft, numerator, temperature, b), tpf(draft, denominator, temperature, b))
@@ -411,7 +413,8 @@ def write_plot(report: dict, path: Path, new_tokens: int) -> None:
             axis.set_xscale("log", base=2)
             axis.set_xticks(budgets, [str(b) for b in budgets])
             agreement = report["drafts"][draft]["top1_agreement"]
-            axis.set_title(f"{DRAFT_LABELS[draft]} (top-1 {agreement:.2f})" + (", greedy" if temperature == 0 else f", t={temperature:g}"), fontsize=9)
+            sampling = ", greedy" if temperature == 0 else f", t={temperature:g}"
+            axis.set_title(f"{DRAFT_LABELS[draft]} (top-1 {agreement:.2f}){sampling}", fontsize=9)
             axis.set_xlabel("budget")
             axis.set_ylabel("tokens per target forward")
             axis.grid(alpha=0.3)

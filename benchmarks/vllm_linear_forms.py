@@ -21,7 +21,9 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,21 @@ def _median_seconds(calls: list, repeats: int) -> list[float]:
             call()
             spent.append(time.perf_counter() - started)
     return [statistics.median(spent) for spent in times]
+
+
+def _onednn_handlers(ops, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """vLLM's oneDNN handler of each of ``weights`` (the repack its CPU linear does once per weight)."""
+    return {n: ops.create_onednn_mm(weight.t(), 32) for n, weight in weights.items()}
+
+
+def _onednn_outputs(ops, handlers: dict[str, Any], inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each linear's output through its oneDNN handler, in ``inputs``' order."""
+    return [ops.onednn_mm(handlers[n], inputs[n], None) for n in inputs]
+
+
+def _linear_outputs(weights: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each linear's output through ``F.linear``, in ``inputs``' order."""
+    return [F.linear(inputs[n], weights[n]) for n in inputs]
 
 
 def main() -> None:
@@ -68,21 +85,22 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         generator = torch.Generator().manual_seed(0)
-        weights = {n: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype) for n, shape in shapes.items()}
-        handlers = {n: ops.create_onednn_mm(weight.t(), 32) for n, weight in weights.items()}
-        (repack,) = _median_seconds([lambda: [ops.create_onednn_mm(w.t(), 32) for w in weights.values()]], args.repeats)
+        weights = {
+            n: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype) for n, shape in shapes.items()
+        }
+        handlers = _onednn_handlers(ops, weights)
+        (repack,) = _median_seconds([partial(_onednn_handlers, ops, weights)], args.repeats)
         for tokens in args.tokens:
             inputs = {n: torch.randn(tokens, shape[1], generator=generator).to(dtype) for n, shape in shapes.items()}
             onednn, plain = _median_seconds(
-                [
-                    lambda: [ops.onednn_mm(handlers[n], inputs[n], None) for n in shapes],
-                    lambda: [F.linear(inputs[n], weights[n]) for n in shapes],
-                ],
+                [partial(_onednn_outputs, ops, handlers, inputs), partial(_linear_outputs, weights, inputs)],
                 args.repeats,
             )
             differences = [
-                (ops.onednn_mm(handlers[n], inputs[n], None).float() - F.linear(inputs[n], weights[n]).float()).abs().max()
-                for n in shapes
+                (onednn_output.float() - linear_output.float()).abs().max()
+                for onednn_output, linear_output in zip(
+                    _onednn_outputs(ops, handlers, inputs), _linear_outputs(weights, inputs), strict=True
+                )
             ]
             rows.append({
                 "dtype": dtype_name, "tokens": tokens, "onednn_ms": onednn * 1e3, "f_linear_ms": plain * 1e3,

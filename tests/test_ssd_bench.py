@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from specexec_hf.offload.direct_io import WeightFile, aligned_empty
+
 from benchmarks import shapes, ssd
 from benchmarks.report import goals_by_key
-from specexec_hf.offload.direct_io import WeightFile, aligned_empty
 
 TINY = shapes.LlamaShape("tiny", 64, 128, 2, 4, 2, 256, tied=True)
 
@@ -37,7 +38,8 @@ def test_random_checkpoint_loads_as_the_shape_and_streams_from_disk(tmp_path):
 
 def test_goals_and_projection_from_measured_rows():
     rows = [
-        {"method": "plain generate", "tokens": [1] * 8, "seconds": 4.0, "target_forwards": 8, "equals_plain_greedy": True},
+        {"method": "plain generate", "tokens": [1] * 8, "seconds": 4.0, "target_forwards": 8,
+         "equals_plain_greedy": True},
         {"method": "HF assisted (defaults)", "tokens": [1] * 8, "seconds": 2.0, "target_forwards": 4,
          "equals_plain_greedy": True},
         {"method": "SpecExec budget 16", "tokens": [1] * 8, "seconds": 1.0, "target_forwards": 2, "tree_seconds": 0.2,

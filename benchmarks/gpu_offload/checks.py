@@ -9,10 +9,10 @@ from functools import partial
 from typing import Any
 
 from benchmarks.figure_checks import (
-    FigureAudit,
     MEASURED,
-    Noise,
     STAND_IN,
+    FigureAudit,
+    Noise,
     non_negative,
     not_falling,
     parts_within,
@@ -199,6 +199,11 @@ def check_published_row(row: dict[str, Any]) -> None:
     positive(f"{row['system']}: tokens per weight-stream", row["tokens_per_weight_stream"][0])
 
 
+def add_ratios(projection: dict[str, Any]) -> None:
+    """Set ``projection["ratios"]`` to its goals: the check :meth:`FigureAudit.passes` runs per projection."""
+    projection["ratios"] = ratios(projection)
+
+
 def remake_projections(report: dict[str, Any], tiny: bool, audit: FigureAudit) -> None:
     """Section 5 from what the report holds (its figures checked already): each measured shape with the draft's
     timing and the pair's rates; each projected figure checked in turn, one that fails withheld."""
@@ -218,7 +223,7 @@ def remake_projections(report: dict[str, Any], tiny: bool, audit: FigureAudit) -
                 if not audit.passes("projection", partial(check_projected_row, name, rows[method])):
                     projection.setdefault("withheld", {})[f"{executor}: {method}"] = rows.pop(method)
         projection["ratios"] = []
-        audit.passes("projection", lambda: projection.update(ratios=ratios(projection)))
+        audit.passes("projection", partial(add_ratios, projection))
         report["projections"].append(projection)
         for row in published_comparison(projection, shape_result, link_gbps)[: -len(PUBLISHED)]:
             if audit.passes("projection", partial(check_published_row, row)):

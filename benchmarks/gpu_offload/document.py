@@ -128,8 +128,9 @@ def markdown(report: dict[str, Any]) -> str:
         for budget, row in draft["budgets"].items():
             if "tree_seconds" in row:
                 busy = row.get("tree_kernel_seconds")
+                busy_cell = "" if busy is None else f"{busy:.3f}"
                 lines.append(f"| {budget} | {row['tree_seconds']:.3f} | {row['draft_forwards']:.0f} | "
-                             f"{1e3 * row['seconds_per_draft_forward']:.2f} | {'' if busy is None else f'{busy:.3f}'} |")
+                             f"{1e3 * row['seconds_per_draft_forward']:.2f} | {busy_cell} |")
             else:
                 lines.append(f"| {budget} | {row['status']} | | | |")
         feed = draft.get("tree_feed")
@@ -138,12 +139,12 @@ def markdown(report: dict[str, Any]) -> str:
         elif feed:
             replay = (f"{1e3 * feed['cuda_graph_seconds']:.2f} ms replayed as a CUDA graph" if "cuda_graph_seconds"
                       in feed else f"no CUDA graph ({feed.get('cuda_graph_error', 'not a CUDA device')})")
-            lines += ["", f"One forward over a tree feed of {feed['rows']} nodes after {feed['context_tokens']} cached "
-                      f"tokens: {1e3 * feed['dynamic_cache_seconds']:.2f} ms over the dynamic cache the search uses, "
-                      f"{1e3 * feed['static_cache_seconds']:.2f} ms over a static cache, {replay} (logits within "
-                      f"{feed['static_max_abs_difference']:.1e} of the dynamic forward's). The projection's `{GRAPHED}` "
-                      "rows swap the eager forward for the replay and keep the search's host time; generate() has "
-                      "no such path."]
+            lines += ["", f"One forward over a tree feed of {feed['rows']} nodes after {feed['context_tokens']} "
+                      f"cached tokens: {1e3 * feed['dynamic_cache_seconds']:.2f} ms over the dynamic cache the search "
+                      f"uses, {1e3 * feed['static_cache_seconds']:.2f} ms over a static cache, {replay} (logits within "
+                      f"{feed['static_max_abs_difference']:.1e} of the dynamic forward's). The projection's "
+                      f"`{GRAPHED}` rows swap the eager forward for the replay and keep the search's host time; "
+                      "generate() has no such path."]
         lines.append("")
     lines += disk_markdown(report.get("disk"))
     e2e = report.get("end_to_end")

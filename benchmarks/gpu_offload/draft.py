@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,9 +62,8 @@ def draft_timing(
                                           "seconds_per_draft_forward": seconds / max(forwards, 1)}
         if device.type == "cuda":
             result["budgets"][str(budget)]["tree_kernel_seconds"] = kernel_seconds(
-                lambda: generator.grow_tree(history), device)
+                partial(generator.grow_tree, history), device)
         print(f"  draft {shape.name}, budget {budget}: {seconds:.3f} s, {forwards} forwards", flush=True)
-    del draft
     return result
 
 
