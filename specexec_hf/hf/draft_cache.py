@@ -23,7 +23,7 @@ from ..core.tree import TokenTree
 from ..core.uploads import upload
 from .compat import execution_device
 from .draft_graphs import StaticDraftCache, release_static_cache, reused_static_cache
-from .forward import Feed, batch_logits, model_logits
+from .forward import Feed, model_logits, packed_logits
 from .kv import compact_cache, new_cache, record_positions, slot_positions
 
 
@@ -267,25 +267,15 @@ def forward_feeds(
 def _batched_logits(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch.Tensor]:
     """One forward for several sequences with separate caches.
 
-    Row ``r`` of the batch holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the longest
-    cache) and its new tokens at ``[longest_cache, longest_cache + n_r)``; its mask is its own ``visible`` spread
-    over that layout. Padding queries see only themselves, so no softmax row is empty. Afterwards each feed's new
-    keys and values are appended to its own cache.
+    Row ``r`` of a batched cache holds feed ``r``'s cache in key slots ``[0, cache_length_r)`` (zeros up to the
+    longest cache), and the forward packs the feeds over it (:func:`~.forward.packed_inputs`: row ``r``'s new tokens
+    at ``[longest_cache, longest_cache + n_r)``). Afterwards each feed's new keys and values are appended to its own
+    cache.
     """
     device = feeds[0].tokens.device
     cache_lengths = [feed.cache.get_seq_length() for feed in feeds]
     counts = [feed.tokens.numel() for feed in feeds]
-    longest_cache, longest_feed = max(cache_lengths), max(counts)
-    tokens = torch.zeros(len(feeds), longest_feed, dtype=torch.long, device=device)
-    positions = torch.zeros_like(tokens)
-    visible = torch.zeros(len(feeds), longest_feed, longest_cache + longest_feed, dtype=torch.bool, device=device)
-    diagonal = torch.arange(longest_feed, device=device)
-    visible[:, diagonal, longest_cache + diagonal] = True
-    for row, (feed, cached, count) in enumerate(zip(feeds, cache_lengths, counts)):
-        own = feed.visibility()
-        tokens[row, :count], positions[row, :count] = feed.tokens, feed.positions
-        visible[row, :count, :cached] = own[:, :cached]
-        visible[row, :count, longest_cache : longest_cache + count] = own[:, cached:]
+    longest_cache = max(cache_lengths)
 
     batch_cache = new_cache()
     record_positions(batch_cache, torch.stack([
@@ -308,7 +298,7 @@ def _batched_logits(model: PreTrainedModel, feeds: Sequence[Feed]) -> list[torch
     # Logits only where some feed needs them: its last num_logits tokens.
     needed = [torch.arange(count - feed.num_logits, count, device=device) for feed, count in zip(feeds, counts)]
     keep = torch.unique(torch.cat(needed))
-    logits = batch_logits(model, tokens, positions, batch_cache, keep, visible)
+    logits = packed_logits(model, feeds, batch_cache, cache_lengths, keep)
 
     for feed in feeds:  # before the keys arrive: a cache without a record takes its length for its positions
         record_positions(feed.cache, feed.positions[None])

@@ -42,7 +42,7 @@ from transformers import Cache, PreTrainedModel
 
 from .attention_spans import attention_spans
 from .compat import execution_device
-from .forward import VERIFIED_MODEL_TYPES, Feed, _attention_mask
+from .forward import VERIFIED_MODEL_TYPES, Feed, attention_mask_for
 
 DraftGraphs = Literal["auto", "on", "off"]
 """Whether the draft runs over a static cache, replayed as CUDA graphs on a GPU: ``"auto"`` (on for a CUDA draft
@@ -267,7 +267,7 @@ class StaticDraftCache(Cache):
         # value in a slot no real row sees would still reach them (0 * NaN) once written there. A fill of a diagonal
         # view: indexing by a tensor of rows may synchronise.
         pattern[:, length : length + width].diagonal()[count:] = True
-        buffers.mask.copy_(_attention_mask(self.model, pattern[None]))
+        buffers.mask.copy_(attention_mask_for(self.model, pattern[None]))
         buffers.tokens.zero_()
         buffers.tokens[0, :count] = feed.tokens
         buffers.positions.zero_()

@@ -2,20 +2,24 @@
 
 A :class:`Feed` is one sequence's share of a forward (its cache, tokens, positions, attention pattern and how many
 trailing logits are needed, plus the target's per-token inputs and span positions); the draft's feeds
-(:mod:`.draft_cache`) and the target's verification forward (:mod:`.decoder`) both use it. :func:`model_logits`
-runs one feed, :func:`batch_logits` a padded batch, and :func:`node_logits` the target's tree with its LM head
-applied lazily (:class:`NodeLogits`). Whether a model can take these forwards at all is :mod:`.compat`'s question.
+(:mod:`.draft_cache`) and the target's verification forward (:mod:`.decoder`) both use it. Feeds become a model's
+inputs here only: :meth:`Feed.inputs` for one sequence, :func:`packed_inputs` for several packed over one batched
+cache, both through :func:`forward_inputs`. :func:`model_logits` runs one feed, :func:`packed_logits` a packed
+batch, and :func:`node_logits` the target's tree with its LM head applied lazily (:class:`NodeLogits`). Whether a
+model can take these forwards at all is :mod:`.compat`'s question.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
+from ..core.batch_packing import pack_rows, padded_stack
 from ..core.masks import additive_mask, causal_pattern
 from ..core.products import head_product
 from ..core.tree import TokenTree
@@ -55,7 +59,7 @@ class Feed:
             ``None``: ``positions``.
     """
 
-    cache: DynamicCache
+    cache: Cache
     tokens: torch.Tensor
     positions: torch.Tensor
     visible: torch.Tensor | None
@@ -82,7 +86,7 @@ def forward_inputs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
-    cache: DynamicCache,
+    cache: Cache,
     visible: torch.Tensor | None,
     extra_inputs: dict[str, torch.Tensor] | None = None,
     span_positions: torch.Tensor | None = None,
@@ -105,19 +109,19 @@ def forward_inputs(
     key_positions = record_positions(cache, span_positions)
     if all(span.is_full for span in spans.values()):
         if visible is not None:
-            kwargs["attention_mask"] = _attention_mask(model, visible)
+            kwargs["attention_mask"] = attention_mask_for(model, visible)
         return kwargs
     if visible is None:
         count = position_ids.shape[-1]
         visible = causal_pattern(count, key_positions.shape[-1] - count, position_ids.device)
         visible = visible.expand(position_ids.shape[0], -1, -1)
-    masks = {kind: _attention_mask(model, mask) for kind, mask in
+    masks = {kind: attention_mask_for(model, mask) for kind, mask in
              span_masks(visible, span_positions, key_positions, spans).items()}
     kwargs["attention_mask"] = next(iter(masks.values())) if len(set(spans.values())) == 1 else masks
     return kwargs
 
 
-def _attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
+def attention_mask_for(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tensor:
     """The ``[batch, 1, queries, keys]`` mask ``model``'s attention takes for a bool pattern, in the format
     transformers itself gives it: bool for SDPA, additive float for eager attention. The two differ on a query that
     sees no key (masked tokens under a sliding window): SDPA returns zeros for a bool mask, softmax averages all
@@ -127,29 +131,42 @@ def _attention_mask(model: PreTrainedModel, visible: torch.Tensor) -> torch.Tens
     return additive_mask(visible, model.dtype)
 
 
-def batch_logits(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-    keep: int | torch.Tensor,
-    visible: torch.Tensor | None = None,
-    extra_inputs: dict[str, torch.Tensor] | None = None,
-    span_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One forward over ``[batch, n]`` tokens; float32 logits ``[batch, kept, vocab]`` of the kept positions.
+def packed_inputs(
+    model: PreTrainedModel, feeds: Sequence[Feed], cache: Cache, cached: Sequence[int]
+) -> dict[str, Any]:
+    """Keyword arguments of one forward over several sequences' feeds packed over one batched cache, in the layout of
+    :mod:`specexec_hf.core.batch_packing`: row ``r`` of ``cache`` holds feed ``r``'s ``cached[r]`` tokens in its first
+    slots, its feed goes after the cache's last slot, padded to the longest feed, and its pattern (its ``visible``,
+    causal over its own ``cache`` when ``None``) is spread over that layout; its per-token inputs are padded alike.
 
     Args:
-        model: A causal LM.
-        input_ids: ``[batch, n]`` tokens to feed.
-        position_ids: ``[batch, n]`` their positions.
-        cache: The model's KV cache (batch rows as in ``input_ids``); the new tokens are appended to it.
-        keep: The last ``keep`` positions, or a 1-D tensor of positions, whose logits are needed.
-        visible: ``[batch, n, cache_length + n]`` bool attention pattern; ``None`` means causal.
-        extra_inputs, span_positions: As :func:`forward_inputs`.
+        model: The model the forward runs.
+        feeds: One per batch row.
+        cache: The batched cache; the fed tokens (padding included) are appended to it.
+        cached: Per row, how many of its own tokens ``cache`` holds.
     """
-    kwargs = forward_inputs(model, input_ids, position_ids, cache, visible, extra_inputs, span_positions)
-    return _kept_logits(model, kwargs, keep)
+    packed = pack_rows(
+        [feed.tokens for feed in feeds], [feed.positions for feed in feeds],
+        [feed.positions if feed.span_positions is None else feed.span_positions for feed in feeds],
+        [feed.visibility() for feed in feeds], cached, cache.get_seq_length(),
+    )
+    longest = packed.tokens.shape[1]
+    extra_inputs = {
+        name: padded_stack([(feed.extra_inputs or {})[name] for feed in feeds], longest)
+        for name in feeds[0].extra_inputs or {}
+    }
+    return forward_inputs(
+        model, packed.tokens, packed.positions, cache, packed.visible, extra_inputs, packed.span_positions
+    )
+
+
+def packed_logits(
+    model: PreTrainedModel, feeds: Sequence[Feed], cache: Cache, cached: Sequence[int], keep: int | torch.Tensor
+) -> torch.Tensor:
+    """One forward over ``feeds`` packed over ``cache`` (see :func:`packed_inputs`); float32 logits
+    ``[batch, kept, vocab]`` of the positions ``keep`` names: the last ``keep`` of the padded feed, or a 1-D tensor
+    of its positions."""
+    return _kept_logits(model, packed_inputs(model, feeds, cache, cached), keep)
 
 
 def _kept_logits(model: PreTrainedModel, kwargs: dict[str, Any], keep: int | torch.Tensor) -> torch.Tensor:
