@@ -2,6 +2,8 @@
 (accelerate's hooks, :mod:`.stream`'s read-ahead ring of buffers in CPU memory filled by :mod:`.direct_io`'s direct
 reads, or :mod:`.device_stream`'s ring on an accelerator, written against the device operations of :mod:`.device`;
 both lay their rings out with :mod:`.layout`).
+The executors implement the adapter's :class:`~specexec_hf.hf.executor.StreamingExecutor`, through which the layer
+below asks them what it needs; :func:`layer_streamer` finds a model's, typed to these classes.
 A new executor goes here. ``specexec_hf.stream`` is :func:`.placement.stream` (not exported here, where the name
 is the :mod:`.stream` module's)."""
 

@@ -249,12 +249,8 @@ class DeviceLayerStreamer(LayerStreamer):
         return self._pinned_bytes
 
     def close(self) -> None:
-        """Waits for pending copies, stops the reader threads and unpins the host memory.
-
-        A later forward that needs to load weights raises ``RuntimeError``.
-        """
-        if self._closed:
-            return
+        """:meth:`LayerStreamer.close` (the reader threads stopped, the model handed back, a later forward refused
+        with the fix), then the host memory unpinned once pending copies have landed."""
         super().close()
         self._release_pinned()
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from ..core.precision import native_bfloat16_cpu
+from ..hf.executor import attach_executor, detach_executor, executor_of
 from ..hf.forward import mark_weights_stay_loaded
 from ..hf.ownership import CallLock
 from .direct_io import (
@@ -63,8 +65,11 @@ through the page cache."""
 
 
 def layer_streamer(model: PreTrainedModel) -> LayerStreamer | None:
-    """The :class:`LayerStreamer` that ``load_offloaded(..., executor="stream")`` installed on ``model``, if any."""
-    return getattr(model, "_specexec_layer_streamer", None)
+    """The :class:`LayerStreamer` (or :class:`~.device_stream.DeviceLayerStreamer`) that ``load_offloaded(...,
+    executor="stream")`` installed on ``model``, if any: the executor the adapter finds
+    (:func:`~specexec_hf.hf.executor.executor_of`), typed to this layer's classes."""
+    executor = executor_of(model)
+    return executor if isinstance(executor, LayerStreamer) else None
 
 
 class LayerStreamer:
@@ -84,7 +89,8 @@ class LayerStreamer:
     :class:`~.direct_io.WeightFileError` in the forward that needs it rather than feeding it other bytes.
 
     Use :meth:`install`; :func:`layer_streamer` finds a model's streamer. :class:`~.device_stream.DeviceLayerStreamer`
-    runs the same ring on an accelerator.
+    runs the same ring on an accelerator. Both implement :class:`~specexec_hf.hf.executor.StreamingExecutor`, what the
+    adapter asks them; :meth:`close` hands the model back.
 
     Embedding tables are not streamed: a lookup needs only the rows of the tokens fed, so an embedding computes
     straight from the memory-mapped file, which reads just those rows' pages (bit-identical: it is a gather); each
@@ -125,6 +131,8 @@ class LayerStreamer:
         self._direct_reader = reader or DirectReader()
         self._closed = False
         self._ownership = CallLock()
+        self._model: nn.Module | None = None  # the model attached to (by install), to hand back at close
+        self._wrapped: list[tuple[nn.Module, Callable[..., Any] | None]] = []  # (module, its own forward attribute)
         self.reads_requested = 0  # unit reads queued so far, for tests and statistics
         self.forwards_begun = 0  # forwards that reached their first unit
         # Seconds between the landing of the last unit read ahead for a forward and that forward's start, summed
@@ -136,8 +144,9 @@ class LayerStreamer:
         # A unit alone in its buffer is read once and stays: read-ahead counts only the units that cycle.
         self._stays_loaded = [len(shared[slot]) == 1 for slot in slot_of]
         self._cycling = [position for position, stays in enumerate(self._stays_loaded) if not stays]
+        self._unit_hooks: list[RemovableHandle] = []
         for position, (module, _) in enumerate(units):
-            module.register_forward_pre_hook(partial(self._before_unit, position))
+            self._unit_hooks.append(module.register_forward_pre_hook(partial(self._before_unit, position)))
             if self._stays_loaded[position]:
                 mark_weights_stay_loaded(module)
 
@@ -205,11 +214,15 @@ class LayerStreamer:
         return streamer
 
     def _attach(self, model: PreTrainedModel) -> None:
-        """Installs the streamer on ``model``: found by :func:`layer_streamer`, and owning the ring for each forward
-        entered through a module that holds streamed units (their ancestors: the model, its base model, ...)."""
-        model._specexec_layer_streamer = self
+        """Installs the streamer on ``model``: attached as its executor (through the adapter's seam,
+        :func:`~specexec_hf.hf.executor.attach_executor`; :func:`layer_streamer` finds it), and owning the ring for
+        each forward entered through a module that holds streamed units (their ancestors: the model, its base
+        model, ...)."""
+        attach_executor(model, self)
+        self._model = model
         for name in dict.fromkeys(ancestor for unit in self.unit_names for ancestor in _ancestors(unit)):
             module = model.get_submodule(name)
+            self._wrapped.append((module, vars(module).get("forward")))
             # As an instance attribute, as accelerate's hooks do; a try/finally, unlike a pair of hooks, releases
             # the ring whatever the forward raises, KeyboardInterrupt included.
             module.forward = self._owning(module.forward)
@@ -227,8 +240,7 @@ class LayerStreamer:
     def exclusive_use(self) -> AbstractContextManager[None]:
         """The ring's ownership, held by ``generate()`` for a whole call: waits while another call owns it.
 
-        Satisfies :class:`~specexec_hf.hf.ownership.ExclusiveExecutor`; reentrant within the call (its forwards, the
-        threads it starts in a copy of its context).
+        Reentrant within the call (its forwards, the threads it starts in a copy of its context).
         """
         return self._ownership.held()
 
@@ -274,10 +286,26 @@ class LayerStreamer:
             self._await_on_host(slot)
 
     def close(self) -> None:
-        """Stops the reader threads; a later forward that needs to read weights raises ``RuntimeError``."""
+        """Stops the reader threads and hands the model back as far as it can: the streamer's hooks and forward
+        wrappers removed, the model detached (:func:`layer_streamer` finds no streamer on it). The ring no longer
+        loads the streamed weights, so each streamed module keeps a guard: a later forward raises one
+        ``RuntimeError`` naming the fix. A second call does nothing."""
+        if self._closed:
+            return
         self._closed = True
         self._reader.shutdown(wait=True)
         self._direct_reader.close()
+        for hook in self._unit_hooks:
+            hook.remove()
+        for module, own_forward in self._wrapped:
+            if own_forward is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = own_forward
+        for module, _ in self._units:
+            module.register_forward_pre_hook(_refuse_closed)
+        if self._model is not None:
+            detach_executor(self._model, self)
 
     def _before_unit(self, position: int, module: nn.Module, args: tuple) -> None:
         if position == 0:
@@ -351,6 +379,14 @@ class LayerStreamer:
         """Blocks the calling thread until ``slot``'s fill has landed."""
         if slot.position is not None:
             slot.filled.exception()  # waits; a failed read is raised by the forward that needs it
+
+
+def _refuse_closed(module: nn.Module, args: tuple) -> None:
+    """The guard a closed streamer leaves on each module it streamed, whose weights it no longer loads."""
+    raise RuntimeError(
+        "This model's layer streamer was closed (close()), so the weights it streamed are no longer loaded and the "
+        "model cannot compute: load it again with specexec_hf.load_offloaded(...)."
+    )
 
 
 def _ancestors(name: str) -> list[str]:
