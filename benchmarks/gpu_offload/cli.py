@@ -21,11 +21,13 @@ from benchmarks.gpu_offload.document import add_shape, environment, markdown, me
 from benchmarks.gpu_offload.draft import draft_timing
 from benchmarks.gpu_offload.end_to_end import end_to_end, end_to_end_pair, failing_mismatches
 from benchmarks.gpu_offload.forward import largest_bf16_shape, measure_shape
+from benchmarks.gpu_offload.in_loop import SECTION as IN_LOOP, in_loop
 from benchmarks.gpu_offload.link import link_bandwidth
 from benchmarks.shapes import DRAFT_SHAPES, SHAPES, LlamaShape
+from benchmarks.figure_checks import MEASURED, STAND_IN, FigureAudit
 from benchmarks.timing import Deadline
 
-SECTIONS = ("link", "forward", "draft", "end_to_end", "largest", "disk")
+SECTIONS = ("link", "forward", "draft", "end_to_end", "in_loop", "largest", "disk")
 
 EXIT_FIGURES_FAILED = 4  # the exit status when every section ran but a figure failed its checks (figure_checks.py)
 
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", choices=("auto", "real", "synthetic"), default=None,
                         help="the end to end pair: the default pair, the synthetic one, or the default one when it "
                         "loads (default: synthetic with --tiny, else real)")
+    parser.add_argument("--in-loop-budgets", type=int, nargs="+", default=[256, 1024],
+                        help="in_loop: the SpecExec budgets run in the loop")
+    parser.add_argument("--in-loop-int4-layers", type=int, default=4,
+                        help="in_loop: layers built of the Llama-3-70B shape with int4 layers")
     parser.add_argument("--link-mib", type=int, default=1024, help="bytes per timed link copy, in MiB")
     parser.add_argument("--weights", choices=QUANTIZED_WEIGHTS, default=None,
                         help="quantize the decoder layers (optimum-quanto) and stream the packed weights")
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         shape, draft_shape = SHAPES["tiny"], DRAFT_SHAPES["tiny"]
         args.link_mib = min(args.link_mib, 16)
         args.budgets = [4, 16]
+        args.in_loop_budgets = [16]
         args.token_counts = [n for n in args.token_counts if n <= 256]
         args.max_new_tokens = min(args.max_new_tokens, 8)
         args.repeats = min(args.repeats, 2)
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return (report.get("link") or {}).get("pinned_gbps", math.nan)
 
     labels = {"forward": f"forward {shape.name} x{layers} layers", "largest": "largest bf16 shape",
-              "end_to_end": "end to end"}
+              "end_to_end": "end to end", "in_loop": IN_LOOP}
 
     def forward(measured_shape: LlamaShape, measured_layers: int, measured_executors: list[str], section: str) -> None:
         measured = measure_shape(measured_shape, measured_layers, measured_executors, args, device, link_gbps(),
@@ -126,6 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         report["end_to_end"] = end_to_end(pair, [e for e in executors if e in ("stream", "accelerate")],
                                           args.budgets, args.max_new_tokens, device, deadline, workdir)
 
+    def in_loop_section() -> None:
+        if not math.isfinite(link_gbps()):  # the ideal's bound: measured here when no earlier section did
+            report.update(link=link_bandwidth(device, args.link_mib << 20, args.repeats + 2))
+        pair = end_to_end_pair(pair_kind, args.prompts, workdir, report)
+        big = SHAPES["tiny"] if args.tiny else SHAPES["llama-8b"]
+        int4 = (SHAPES["tiny"], SHAPES["tiny"].layers) if args.tiny else (SHAPES["llama-70b"], args.in_loop_int4_layers)
+        audit = FigureAudit(STAND_IN if args.tiny else MEASURED)
+        try:
+            report["in_loop"] = in_loop(pair, [(big, big.layers, None), (*int4, "int4")], args.in_loop_budgets,
+                                        args.max_new_tokens, link_gbps(), device, deadline, workdir, audit)
+        finally:
+            report["figure_failures"] += audit.failures
+
     def disk_section() -> None:
         report["disk"] = disk_tier(shape if args.tiny else DISK_SHAPE, args, device, deadline,
                                    disk_folders(args.disk_dir))
@@ -138,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft": lambda: report.update(draft=draft_timing(draft_shape, args.budgets, 256 if cuda else 16,
                                                           args.repeats, device, deadline)),
         "end_to_end": end_to_end_section,
+        "in_loop": in_loop_section,
         "largest": largest,
         "disk": disk_section,
     }
