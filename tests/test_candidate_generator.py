@@ -72,7 +72,7 @@ def test_candidates_are_the_trees_best_chain_with_point_mass_logits(llama_pair):
     generator = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=12, expand_per_forward=4))
     tree = SpecExecCandidateGenerator(draft, SpecExecConfig(budget=12, expand_per_forward=4)).grow_tree(prompt).tree
     candidates, logits = generator.get_candidates(prompt)
-    chain = tree.tokens[tree.best_path()]
+    chain = tree.best_chain()
     assert len(chain) >= 1
     assert torch.equal(candidates, torch.cat([prompt, chain[None]], dim=1))
     assert logits.shape == (1, len(chain), generator.target_vocab_size) and logits.dtype == torch.float32

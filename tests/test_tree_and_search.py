@@ -79,6 +79,7 @@ def test_best_path_maximises_expected_acceptance(tree):
     path = tree.best_path()
     assert path == tree.path(path[-1]) if path else tree.num_nodes == 1
     assert math.isclose(value(path), best, rel_tol=1e-9)
+    assert tree.best_chain().tolist() == [int(tree.tokens[node]) for node in path]
 
 
 def table_expand(vocab: int, seed: int, sharpness: float, calls: list):

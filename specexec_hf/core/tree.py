@@ -167,3 +167,8 @@ class TokenTree:
             path.append(node)
             node = best_child[node]
         return path
+
+    def best_chain(self) -> torch.Tensor:
+        """``[k]`` the tokens of :meth:`best_path`: the chain proposed where one chain is verified instead of the
+        tree (transformers' assisted loop, vLLM's chain mode)."""
+        return self.tokens[self.best_path()]

@@ -8,7 +8,7 @@ several generators at once (a serving batch): each round of their searches becom
 padded per request, whatever the policy.
 
 The class is a transformers :class:`~transformers.generation.candidate_generator.CandidateGenerator`: in
-transformers' own assisted loop it proposes the tree's most promising chain (:meth:`~.TokenTree.best_path`, the
+transformers' own assisted loop it proposes the tree's most promising chain (:meth:`~.TokenTree.best_chain`, the
 chain vLLM's chain mode proposes) and learns from the target's verdict, as any candidate generator does. SpecExec's
 own step (:mod:`.decoder`) verifies the whole tree instead, through the tree methods above the interface.
 """
@@ -184,7 +184,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """transformers' candidate step: grows the tree under the last token of ``input_ids`` (``[1, L]``) and
-        proposes its most promising chain (:meth:`~.TokenTree.best_path`).
+        proposes its most promising chain (:meth:`~.TokenTree.best_chain`).
 
         Returns:
             ``[1, L + k]`` ``input_ids`` followed by the chain's ``k`` tokens, and ``[1, k, target_vocab_size]``
@@ -196,7 +196,7 @@ class SpecExecCandidateGenerator(CandidateGenerator):
             beyond its root (no candidate).
         """
         result = self.grow_tree(input_ids)
-        chain = result.tree.tokens[result.tree.best_path()].to(input_ids.device)
+        chain = result.tree.best_chain().to(input_ids.device)
         self._proposed = (result, input_ids.shape[1])
         if not chain.numel():
             return input_ids, None
