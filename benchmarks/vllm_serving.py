@@ -12,7 +12,9 @@ the target's own; vLLM counts accepted tokens before cutting a request at ``max_
 ``delivered_tokens_per_step`` gives the count from the tokens the clients received).
 Methods: ``none``; ``draft_model`` (vLLM's draft-model chains, ``-k`` tokens); ``specexec_tree`` once per
 ``--budgets`` entry, the tree nodes of one engine step for the whole batch (``step_budget``; each request grows its
-tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut);
+tree to ``min(budget, --request-budget)`` nodes, ``num_speculative_tokens``, before the step's cut; ``auto``: the
+proposer chooses each step's total from the target's forward cost as it measures it, each request's tree capped at
+``--request-budget``);
 ``specexec_tree_int8`` the same with the draft's decoder layers in int8 (the proposer's ``draft_int8``). Every
 configuration's texts must equal the ``none`` server's at the same concurrency (greedy): ``outputs_equal_none``.
 
@@ -37,6 +39,14 @@ The tiny pair's figures measure overheads, not speed-ups.
     python -m benchmarks.vllm_serving --output runs/vllm_serving.json
     python -m benchmarks.vllm_serving --default-pair --requests 16 --concurrency 1 8 --budgets 16 64 \\
         --offload /var/tmp/offload --cache-fraction 0.33 --disconnects 2 --output runs/vllm_serving_offload.json
+
+Issue 57's goals (one configuration, the step budget automatic, for one client and many: trees >= 2x no speculation
+at 1 client, >= 1.3x at 4 and 8), with the docs' one-client settings (both cores, the int8 draft, 48 nodes per
+request, 14 layers read ahead)::
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 python -m benchmarks.vllm_serving --default-pair --methods none \\
+        specexec_tree_int8 --budgets auto --request-budget 48 --draft-dtype float32 --offload /var/tmp/offload \\
+        --offload-prefetch 14 --requests 16 --concurrency 1 4 8 --output runs/vllm_serving_auto.json
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ PROMPTS = [
     "User: Can you explain what a computer program is to a child?\nAssistant:",
 ]
 TREE_METHODS = ("specexec_tree", "specexec_tree_int8")
+AUTO = "auto"  # a --budgets entry: the proposer's step_budget="auto"
 # Not one of PROMPTS, so the measured requests find no prefix-cache blocks the warm-up left behind.
 WARMUP_PROMPT = "User: Hello! How are you today?\nAssistant:"
 WARMUP_TOKENS = 16  # at most: enough to run prefill, drafting and verification once each
@@ -167,8 +178,8 @@ class MethodResult:
     Args:
         method: ``"none"``, ``"draft_model"``, ``"specexec_tree"`` or ``"specexec_tree_int8"``.
         concurrency: Client threads, and the server's ``--max-num-seqs``.
-        budget: ``specexec_tree``'s tree nodes per engine step for the whole batch (``step_budget``), else
-            ``None``.
+        budget: ``specexec_tree``'s tree nodes per engine step for the whole batch (``step_budget``: a number or
+            ``"auto"``), else ``None``.
         request_budget: ``specexec_tree``'s nodes per request tree before the step's cut
             (``num_speculative_tokens``), else ``None``.
         k: Draft tokens per step of ``draft_model``, else ``None``.
@@ -203,7 +214,7 @@ class MethodResult:
 
     method: str
     concurrency: int
-    budget: int | None
+    budget: int | str | None
     request_budget: int | None
     k: int | None
     server_start_s: float
@@ -229,10 +240,10 @@ class MethodResult:
 
     @property
     def label(self) -> str:
-        """``k = 4``, ``budget 64``, ``budget 64 (32 per request)`` or ``-``: the method's speculation setting, for
-        tables."""
+        """``k = 4``, ``budget 64``, ``budget 64 (32 per request)``, ``budget auto (48 per request)`` or ``-``: the
+        method's speculation setting, for tables."""
         if self.budget is not None:
-            capped = self.request_budget is not None and self.request_budget < self.budget
+            capped = self.request_budget is not None and (self.budget == AUTO or self.request_budget < self.budget)
             return f"budget {self.budget}" + (f" ({self.request_budget} per request)" if capped else "")
         return f"k = {self.k}" if self.k is not None else "-"
 
@@ -446,16 +457,28 @@ def worker_cores(log: Path) -> list[int] | None:
     return [int(core) for core in match.group(1).split(",") if core.strip()] if match else None
 
 
-def request_budget(args: argparse.Namespace, budget: int) -> int:
+def request_budget(args: argparse.Namespace, budget: int | str) -> int:
     """Nodes a request's tree grows to before the step's cut: the step's total, at most ``--request-budget`` (its
-    only value, or the one listed at ``budget``'s place in ``--budgets``)."""
-    if args.request_budget is None:
-        return budget
+    only value, or the one listed at ``budget``'s place in ``--budgets``); under ``auto``, ``--request-budget``."""
+    if args.request_budget is None:  # parse_args refuses auto without it
+        return int(budget)
     caps = args.request_budget
-    return min(budget, caps[0] if len(caps) == 1 else caps[args.budgets.index(budget)])
+    cap = caps[0] if len(caps) == 1 else caps[args.budgets.index(budget)]
+    return cap if budget == AUTO else min(int(budget), cap)
 
 
-def server_args(method: str, args: argparse.Namespace, draft: str, budget: int, concurrency: int) -> list[str]:
+def step_budget_arg(value: str) -> int | str:
+    """A ``--budgets`` entry: a positive node count, or ``auto``."""
+    if value == AUTO:
+        return AUTO
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a positive number of tree nodes per step, or {AUTO!r}")
+    return int(value)
+
+
+def server_args(
+    method: str, args: argparse.Namespace, draft: str, budget: int | str, concurrency: int
+) -> list[str]:
     """``vllm serve`` arguments for ``method``: the engine settings shared by all methods plus its speculation;
     ``specexec_tree``'s ``budget`` is the step's total (``step_budget``), shared best-first by the batch."""
     common = ["--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len),
@@ -538,7 +561,7 @@ def disconnect_check(server: Server, args: argparse.Namespace, reference: str) -
 
 
 def run_method(
-    method: str, args: argparse.Namespace, target: str, draft: str, budget: int, concurrency: int
+    method: str, args: argparse.Namespace, target: str, draft: str, budget: int | str, concurrency: int
 ) -> MethodResult:
     """Starts one server for ``method``, warms it up, measures ``args.requests`` requests and stops it."""
     tree = method in TREE_METHODS
@@ -580,7 +603,7 @@ def measure(
     server: Server,
     method: str,
     args: argparse.Namespace,
-    budget: int,
+    budget: int | str,
     concurrency: int,
     target: str,
     cap: MemoryCap | None,
@@ -664,14 +687,15 @@ def compare_with_none(results: list[MethodResult]) -> None:
 
 
 def goals(results: list[MethodResult]) -> list[dict[str, Any]]:
-    """Issue 30's throughput goals as measured ratios: the best ``specexec_tree`` budget's output tok/s against
-    ``none`` and ``draft_model`` with one client, and against ``none`` with eight; only those measured."""
+    """Issues 30's and 57's throughput goals as measured ratios: the best ``specexec_tree`` budget's output tok/s
+    against ``none`` and ``draft_model`` with one client, and against ``none`` with four and eight; only those
+    measured."""
 
     def best(methods: tuple[str, ...], concurrency: int) -> MethodResult | None:
         runs = [r for r in results if r.method in methods and r.concurrency == concurrency]
         return max(runs, key=lambda r: r.output_tokens_per_s, default=None)
 
-    wanted = [(1, "none", 2.0), (1, "draft_model", 1.5), (8, "none", 1.3)]
+    wanted = [(1, "none", 2.0), (1, "draft_model", 1.5), (4, "none", 1.3), (8, "none", 1.3)]
     measured = []
     for concurrency, baseline_method, target_ratio in wanted:
         tree, baseline = best(TREE_METHODS, concurrency), best((baseline_method,), concurrency)
@@ -731,8 +755,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=["none", "draft_model", "specexec_tree"],
                         choices=["none", "draft_model", *TREE_METHODS])  # fmt: skip
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens of draft_model.")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128],
-                        help="specexec_tree's tree nodes per engine step, shared by the batch (step_budget).")
+    parser.add_argument("--budgets", type=step_budget_arg, nargs="+", default=[64, 128],
+                        help="specexec_tree's tree nodes per engine step, shared by the batch (step_budget), or "
+                             "'auto' (chosen each step by the proposer; needs --request-budget).")  # fmt: skip
     parser.add_argument("--request-budget", type=int, nargs="+",
                         help="Cap on one request's tree before the step's cut: one for every budget, or one per "
                              "budget of --budgets, in order; default: the step's total.")  # fmt: skip
@@ -773,6 +798,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--request-budget lists {len(args.request_budget)} caps: give one, or one per budget of "
                          f"--budgets {args.budgets} (each budget once)")  # fmt: skip
     trees = set(TREE_METHODS) & set(args.methods)
+    if AUTO in args.budgets and args.request_budget is None:
+        parser.error("--budgets auto: give --request-budget, each request's tree cap (num_speculative_tokens)")
     longest = max(request_budget(args, b) for b in args.budgets) if trees else args.k
     if args.max_model_len < args.max_tokens + 2 * longest:
         parser.error(f"--max-model-len {args.max_model_len} leaves no room for the prompt, --max-tokens and two "

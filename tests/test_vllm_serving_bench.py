@@ -42,10 +42,14 @@ def request(text: str, latency: float = 2.0, first: float = 0.5, tokens: int = 4
     return vllm_serving.RequestResult(0, latency, first, tokens, text)
 
 
-def result(method: str, concurrency: int, tok_s: float, texts: list[str], budget: int | None = None) -> object:
+def result(
+    method: str, concurrency: int, tok_s: float, texts: list[str], budget: int | str | None = None,
+    request_budget: int | None = None,
+) -> object:
     """A measured configuration with only the fields the comparisons read set to something meaningful."""
     return vllm_serving.MethodResult(
-        method=method, concurrency=concurrency, budget=budget, request_budget=budget, k=4 if method == "draft_model"
+        method=method, concurrency=concurrency, budget=budget, request_budget=request_budget or budget,
+        k=4 if method == "draft_model"
         else None, server_start_s=1.0, wall_s=1.0, completion_tokens=4 * len(texts), output_tokens_per_s=tok_s,
         mean_latency_s=1.0, median_latency_s=1.0, mean_first_token_s=0.1, mean_time_per_output_token_s=0.1,
         drafts=0, draft_tokens=0, accepted_tokens=0, tokens_per_target_step=None, delivered_tokens_per_step=None,
@@ -96,6 +100,12 @@ def test_goals_take_the_best_tree_budget_and_skip_what_was_not_measured():
         "goal": "8 client(s): trees >= 1.3x none", "best_tree_method": "specexec_tree", "best_tree_budget": 64,
         "ratio": 1.25, "met": False,
     }  # fmt: skip
+    results += [result("none", 4, 10.0, ["a"]), result("specexec_tree_int8", 4, 14.0, ["a"], "auto", 48)]
+    assert vllm_serving.goals(results)[2] == {
+        "goal": "4 client(s): trees >= 1.3x none", "best_tree_method": "specexec_tree_int8", "best_tree_budget": "auto",
+        "ratio": 1.4, "met": True,
+    }  # fmt: skip
+    assert "| 4 | specexec_tree_int8 | budget auto (48 per request) | 14.00 |" in vllm_serving.markdown_table(results)
 
 
 @pytest.mark.parametrize(("budget", "cap", "per_request"), [(64, None, 64), (256, 32, 32), (16, 32, 16)])
@@ -122,6 +132,23 @@ def test_request_budgets_pair_with_the_step_budgets(capsys):
         with pytest.raises(SystemExit):
             vllm_serving.parse_args(bad)
         assert "one per budget" in capsys.readouterr().err
+
+
+def test_an_automatic_step_budget_caps_each_request_s_tree(capsys):
+    """--budgets auto: the proposer's step_budget "auto", each request's tree at --request-budget (the only cap it
+    has, so one must be given); numbers beside it keep their meaning."""
+    args = vllm_serving.parse_args(["--budgets", "auto", "64", "--request-budget", "48"])
+    assert args.budgets == ["auto", 64]
+    assert [vllm_serving.request_budget(args, b) for b in args.budgets] == [48, 48]
+    command = vllm_serving.server_args("specexec_tree_int8", args, "DRAFT", "auto", concurrency=4)
+    config = json.loads(command[command.index("--speculative-config") + 1])
+    settings = config["draft_load_config"]["model_loader_extra_config"]["specexec"]
+    assert (config["num_speculative_tokens"], settings["budget"], settings["step_budget"]) == (48, 48, "auto")
+    for bad, message in ((["--budgets", "auto"], "give --request-budget"), (["--budgets", "0"], "positive number"),
+                         (["--budgets", "most"], "or 'auto'")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            vllm_serving.parse_args(bad)
+        assert message in capsys.readouterr().err
 
 
 def test_bad_offload_arguments_are_refused_before_any_server_starts(tmp_path, capsys):
