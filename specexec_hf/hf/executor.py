@@ -105,4 +105,5 @@ def detach_executor(model: nn.Module, executor: StreamingExecutor) -> None:
 def executor_of(model: nn.Module) -> StreamingExecutor | None:
     """The executor streaming ``model``'s weights (attached by :func:`attach_executor`), or ``None`` for a model
     whose weights stay where they are or that accelerate's hooks fetch."""
-    return getattr(model, _EXECUTOR_ATTRIBUTE, None)
+    executor: StreamingExecutor | None = getattr(model, _EXECUTOR_ATTRIBUTE, None)
+    return executor
