@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -109,7 +109,9 @@ def at_link(share: float, tokens_per_forward: float, link_gbps: float, bytes_per
     return share * ideal_tokens_per_second(tokens_per_forward, link_gbps, bytes_per_forward)
 
 
-def tokens_per_forward_needed(tokens_per_second: float, share: float, link_gbps: float, bytes_per_forward: float) -> float:
+def tokens_per_forward_needed(
+    tokens_per_second: float, share: float, link_gbps: float, bytes_per_forward: float
+) -> float:
     """Tokens per target forward a loop at ``share`` of its ideal needs to reach ``tokens_per_second``."""
     return tokens_per_second / at_link(share, 1.0, link_gbps, bytes_per_forward)
 
@@ -162,9 +164,9 @@ class BigVerifier:
 
 
 @contextmanager
-def verified_by(verifier: Callable[[], BigVerifier | None]) -> Iterator[None]:
-    """While open, every SpecExec step and every HF assisted step of the pair is verified by ``verifier()`` too (the
-    big target of the prompt running), after the pair's own walk, which decides the path kept."""
+def verified_by(big: BigVerifier) -> Iterator[None]:
+    """While open, every SpecExec step and every HF assisted step of the pair is verified by ``big`` too, after the
+    pair's own walk, which decides the path kept."""
     original_step = SpecExecDecoder.step
     original_candidates = AssistedCandidateGenerator.get_candidates
     original_update = AssistedCandidateGenerator.update_candidate_strategy
@@ -172,9 +174,7 @@ def verified_by(verifier: Callable[[], BigVerifier | None]) -> Iterator[None]:
 
     def step(decoder: SpecExecDecoder, sequence: torch.Tensor) -> Any:
         outcome = original_step(decoder, sequence)
-        big = verifier()
-        if big is not None:
-            big.verify(sequence, outcome.grown.tree, outcome.length, outcome.acceptance.path)
+        big.verify(sequence, outcome.grown.tree, outcome.length, outcome.acceptance.path)
         return outcome
 
     def get_candidates(generator: AssistedCandidateGenerator, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
@@ -184,9 +184,7 @@ def verified_by(verifier: Callable[[], BigVerifier | None]) -> Iterator[None]:
 
     def update(generator: AssistedCandidateGenerator, input_ids: torch.Tensor, scores: Any, num_matches: int):
         before, chain = drafted.pop()
-        big = verifier()
-        if big is not None:
-            big.verify(before, chain_tree(before[0, -1], chain), before.shape[1], list(range(1, num_matches + 1)))
+        big.verify(before, chain_tree(before[0, -1], chain), before.shape[1], list(range(1, num_matches + 1)))
         return original_update(generator, input_ids, scores, num_matches)
 
     with (mock.patch.object(SpecExecDecoder, "step", step),
@@ -216,7 +214,7 @@ def run_method(
         return {"new_tokens": len(row["tokens"]), "seconds": row["seconds"], "small_target_seconds": 0.0,
                 "big_target_seconds": row["target_seconds"], "big_target_forwards": row["target_forwards"]}
     verifier = BigVerifier(big.model, prompt["input_ids"], device)
-    with verified_by(lambda: verifier):
+    with verified_by(verifier):
         row = timed_generate(pair.reference, prompt, max_new_tokens, device, **kwargs)
     return {"new_tokens": len(row["tokens"]), "seconds": row["seconds"], "small_target_seconds": row["target_seconds"],
             "big_target_seconds": verifier.seconds, "big_target_forwards": verifier.forwards,
@@ -346,22 +344,31 @@ def in_loop(
         if isinstance(big, str):
             result["notes"].append(big)
             continue
-        entry: dict[str, Any] = {}
-        result["targets"][big.label] = entry
-        if not audit.passes(SECTION, lambda: entry.update(
-                measure_target(big, pair, budgets, max_new_tokens, device, deadline))):
-            entry["status"] = "FAILED: a figure failed its check"
-            continue
-        entry["status"] = "measured"
-        if big.headline:
-            audit.passes(SECTION, lambda: entry.update(goals=[goal.as_json() for goal in headline_goals(entry)]))
-        elif audit.passes(SECTION, lambda: entry.update(ideal=ideal_figures(entry, link_gbps, audit.noise))):
-            if entry["ideal"] is not None:
-                share = entry["ideal"]["share_of_ideal"]
-                entry["goals"] = [Goal("in_loop_int4_share_of_ideal", f"in one loop: {big.label}, "
-                                       f"{entry['ideal']['method']}: tokens/s / its link-bound ideal", share,
-                                       IDEAL_SHARE_GOAL).as_json()]
+        result["targets"][big.label] = target_figures(big, pair, budgets, max_new_tokens, link_gbps, device,
+                                                      deadline, audit)
     return result
+
+
+def target_figures(
+    big: BigTarget, pair: RealPair, budgets: list[int], max_new_tokens: int, link_gbps: float, device: torch.device,
+    deadline: Deadline, audit: FigureAudit,
+) -> dict[str, Any]:
+    """One big target's methods and then its goals: SpecExec's ratios for the headline target, its share of the
+    link-bound ideal for the others."""
+    entry: dict[str, Any] = {}
+    if not audit.passes(SECTION, lambda: entry.update(
+            measure_target(big, pair, budgets, max_new_tokens, device, deadline))):
+        entry["status"] = "FAILED: a figure failed its check"
+        return entry
+    entry["status"] = "measured"
+    if big.headline:
+        audit.passes(SECTION, lambda: entry.update(goals=[goal.as_json() for goal in headline_goals(entry)]))
+    elif audit.passes(SECTION, lambda: entry.update(ideal=ideal_figures(entry, link_gbps, audit.noise))):
+        if entry["ideal"] is not None:
+            entry["goals"] = [Goal("in_loop_int4_share_of_ideal", f"in one loop: {big.label}, "
+                                   f"{entry['ideal']['method']}: tokens/s / its link-bound ideal",
+                                   entry["ideal"]["share_of_ideal"], IDEAL_SHARE_GOAL).as_json()]
+    return entry
 
 
 def in_loop_markdown(result: dict[str, Any] | None) -> list[str]:
@@ -387,7 +394,8 @@ def in_loop_markdown(result: dict[str, Any] | None) -> list[str]:
                       f"{ideal['full_shape_tokens_per_second']:.2f} tok/s, at PCIe 4.0 x16 ({PCIE4_X16_GBPS:g} GB/s) "
                       f"{ideal['full_shape_tokens_per_second_pcie4']:.2f} tok/s.", ""]
             lines += table(["published", "tok/s", "tokens per forward this loop would need at PCIe 4.0 x16"],
-                           [(p["system"], f"{p['tokens_per_second']:g}", f"{p['tokens_per_forward_needed_at_pcie4']:.1f}")
-                            for p in ideal["published"]], [False, True, True])
+                           [(row["system"], f"{row['tokens_per_second']:g}",
+                             f"{row['tokens_per_forward_needed_at_pcie4']:.1f}") for row in ideal["published"]],
+                           [False, True, True])
         lines += [""] + [Goal.from_json(goal).line() for goal in entry.get("goals", [])] + [""]
     return lines + [f"- {note}" for note in result["notes"]]
