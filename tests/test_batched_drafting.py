@@ -13,6 +13,8 @@ from tolerances import assert_close_across_kernels, model_bound
 
 from specexec_hf import SpecExecCandidateGenerator, SpecExecConfig, grow_tree, grow_trees
 from specexec_hf.core.static_trees import SequoiaSearch, SpecInferSearch
+from specexec_hf.hf.forward import Feed, packed_inputs
+from specexec_hf.hf.kv import new_cache
 
 POLICIES = [grow_tree, SpecInferSearch(), SpecInferSearch(beams=2), SequoiaSearch([0.6, 0.25, 0.1])]
 
@@ -93,3 +95,25 @@ def test_grow_trees_rejects_shared_generators():
     with pytest.raises(ValueError, match="one generator per request"):
         grow_trees([(generator, history, None), (other_draft, history, None)])
     assert grow_trees([]).results == []
+
+
+@given(lengths=st.lists(st.integers(1, 5), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_packed_inputs_pad_each_feeds_tokens_positions_per_token_inputs_and_pattern(lengths, seed):
+    model = tiny_model("llama", seed=0)
+    rng = torch.Generator().manual_seed(seed)
+    feeds = [
+        Feed(new_cache(), torch.randint(1, 64, (n,), generator=rng), torch.arange(n) + 3, None, 1,
+             {"token_type_ids": torch.randint(1, 3, (1, n), generator=rng)})
+        for n in lengths
+    ]
+    kwargs = packed_inputs(model, feeds, new_cache(), [0] * len(feeds))
+    longest = max(lengths)
+    mask = kwargs["attention_mask"]
+    assert mask.shape == (len(feeds), 1, longest, longest) and mask.dtype == torch.bool
+    for row, (feed, n) in enumerate(zip(feeds, lengths)):
+        for name, own in (("input_ids", feed.tokens), ("position_ids", feed.positions),
+                          ("token_type_ids", feed.extra_inputs["token_type_ids"][0])):
+            assert torch.equal(kwargs[name][row], torch.cat([own, own.new_zeros(longest - n)])), name
+        assert torch.equal(mask[row, 0, :n, :n], feed.visibility())  # causal: its own pattern
+        assert not mask[row, 0, :n, n:].any()
+        assert torch.equal(mask[row, 0, n:], torch.eye(longest, dtype=torch.bool)[n:])  # padding sees itself alone
