@@ -130,7 +130,7 @@ def test_a_figure_that_failed_its_check_fails_the_call(tmp_path):
 
 def test_the_last_call_s_merged_report_must_hold_every_section(tmp_path):
     every = {"link": "done", "forward Llama-3-8B x32 layers": "done", "draft": "done", "end to end": "done",
-             "largest bf16 shape": "done", "disk": "done"}
+             "in loop": "done", "largest bf16 shape": "done", "disk": "done"}
     complete = call_results(tmp_path / "complete", {name: {"status": status} for name, status in every.items()})
     assert gpu_rehearse.missing_sections(complete / "gpu_offload.json") == []
     every.update(disk="started, never finished (killed at its time limit, or crashed)")
@@ -140,16 +140,34 @@ def test_the_last_call_s_merged_report_must_hold_every_section(tmp_path):
     assert gpu_rehearse.missing_sections(tmp_path / "absent.json") == list(gpu_rehearse.SECTION_RESULTS)
 
 
-def test_a_call_past_its_deadline_runs_no_step_and_names_each_one_in_its_log(tmp_path):
+# Each call's steps in order, most wanted first (issue 56: the int4 flat forward, the graphed drafting, the in-loop
+# end to end; call 3 is the first to hold the default pair's GGUF); call 1's int4 forward needs optimum-quanto.
+STEPS = {
+    1: [*(["section forward"] if importable("optimum.quanto") else []), "benchmarks.draft_graphs", "section link",
+        "section draft", "section forward"],
+    2: ["pytest -m cuda tests", "section disk", "section end_to_end", "section forward", "section largest"],
+    3: ["section in_loop", "section end_to_end"],
+}
+
+
+@pytest.mark.parametrize("call", sorted(STEPS))
+def test_a_call_past_its_deadline_runs_no_step_and_names_each_one_in_its_log(tmp_path, call):
     # A lease is 15 minutes: each step's limit is cut to what the call has left, and one that no longer fits is
     # said, not started (so the device command's timeout never kills the call before its files are written).
     env = {**os.environ, "PYTHON": os.sys.executable, "GPU_CHECK_CALL_SECONDS": "0",
            "GPU_CARRY_DIR": str(tmp_path / "carry"), "GPU_CHECK_RUNS": str(tmp_path / "runs")}
-    done = subprocess.run([str(GPU_CHECK), "--call", "1", str(tmp_path / "out")], env=env, capture_output=True,
+    done = subprocess.run([str(GPU_CHECK), "--call", str(call), str(tmp_path / "out")], env=env, capture_output=True,
                           text=True, timeout=300)
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     not_run = [line.split("] ", 1)[1].split(" not run")[0] for line in log.splitlines() if " not run: " in line]
-    assert not_run == ["pytest -m cuda tests", "section link", "section forward", "section draft", "section disk",
-                       "section end_to_end", "section forward", "section largest"], log
+    assert not_run == STEPS[call], log
     assert not (tmp_path / "out" / "gpu_offload.json").exists() and not (tmp_path / "out" / "pytest.log").exists()
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == (3 if call == 3 else 0), done.stderr  # call 3 without the GGUF's parts says so: 3
+
+
+def test_a_failing_draft_graphs_figure_fails_the_call(tmp_path):
+    out = call_results(tmp_path / "graphs", {"link": {"status": "done"}})
+    failure = {"section": "graphed", "figure": "graphed: tree ms", "why": "0 is not a finite number above zero"}
+    (out / gpu_rehearse.DRAFT_GRAPHS).write_text(json.dumps({"failures": [failure]}))
+    assert gpu_rehearse.check_call(1, out, 0, expected=0) == [
+        f"call 1: a figure of benchmarks.draft_graphs failed its check: {failure['figure']}: {failure['why']}"]
