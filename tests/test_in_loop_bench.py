@@ -115,3 +115,37 @@ def test_no_optimum_quanto_is_a_note(monkeypatch, tmp_path):
     monkeypatch.setattr(in_loop, "placed_target", no_quanto)
     (note,) = in_loop.big_targets([(SHAPES["tiny"], 2, "int4")], CPU, Path(tmp_path))
     assert "not run" in note and "optimum-quanto" in note
+
+
+def test_an_int4_target_is_measured_against_its_ideal(pair, tmp_path):
+    pytest.importorskip("optimum.quanto")
+    audit = FigureAudit(STAND_IN)
+    shapes = [(SHAPES["tiny"], SHAPES["tiny"].layers, "int4")]  # fewer tiny layers all stay loaded: nothing streams
+    result = in_loop.in_loop(pair, shapes, [8], 4, 10.0, CPU, Deadline(300), tmp_path, audit)
+    assert audit.failures == []
+    (entry,) = result["targets"].values()
+    assert set(entry["methods"]) == {"SpecExec budget 8"}  # no ratio goal here: plain and assisted are not run
+    ideal = entry["ideal"]
+    assert ideal["share_of_ideal"] == pytest.approx(entry["methods"]["SpecExec budget 8"]["tokens_per_second"]
+                                                    / ideal["ideal_tokens_per_second"])
+    assert ideal["full_shape_tokens_per_second_pcie4"] == pytest.approx(
+        ideal["full_shape_tokens_per_second"] * in_loop.PCIE4_X16_GBPS / 10.0)  # the whole tiny shape was built
+    assert [goal["key"] for goal in entry["goals"]] == ["in_loop_int4_share_of_ideal"]
+    assert {row["system"].split(" (")[0].split(" README")[0] for row in ideal["published"]} == {"SpecExec paper",
+                                                                                               "UMbreLLa"}
+
+
+def test_a_target_that_raises_is_an_error_and_the_next_one_still_runs(pair, tmp_path, monkeypatch):
+    calls = []
+
+    def figures(big, *args):
+        calls.append(big.label)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return {"status": "measured"}
+
+    monkeypatch.setattr(in_loop, "target_figures", figures)
+    shapes = [(SHAPES["tiny"], SHAPES["tiny"].layers, None), (SHAPES["tiny"], 2, None)]
+    result = in_loop.in_loop(pair, shapes, [8], 4, 10.0, CPU, Deadline(60), tmp_path, FigureAudit(STAND_IN))
+    assert len(calls) == 2 and len(result["errors"]) == 1 and "out of memory" in result["errors"][0]["traceback"]
+    assert result["targets"][calls[0]]["status"] == "error: RuntimeError: out of memory"

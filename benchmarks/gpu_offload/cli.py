@@ -16,15 +16,16 @@ import torch
 from specexec_hf.offload.quantize import QUANTIZED_WEIGHTS
 
 from benchmarks import gpu_offload
+from benchmarks.figure_checks import MEASURED, STAND_IN, FigureAudit
 from benchmarks.gpu_offload.disk import DISK_SHAPE, disk_folders, disk_tier
 from benchmarks.gpu_offload.document import add_shape, environment, markdown, merged_reports, run_section, save
 from benchmarks.gpu_offload.draft import draft_timing
 from benchmarks.gpu_offload.end_to_end import end_to_end, end_to_end_pair, failing_mismatches
 from benchmarks.gpu_offload.forward import largest_bf16_shape, measure_shape
-from benchmarks.gpu_offload.in_loop import SECTION as IN_LOOP, in_loop
+from benchmarks.gpu_offload.in_loop import SECTION as IN_LOOP
+from benchmarks.gpu_offload.in_loop import in_loop
 from benchmarks.gpu_offload.link import link_bandwidth
 from benchmarks.shapes import DRAFT_SHAPES, SHAPES, LlamaShape
-from benchmarks.figure_checks import MEASURED, STAND_IN, FigureAudit
 from benchmarks.timing import Deadline
 
 SECTIONS = ("link", "forward", "draft", "end_to_end", "in_loop", "largest", "disk")
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report["in_loop"] = in_loop(pair, [(big, big.layers, None), (*int4, "int4")], args.in_loop_budgets,
                                         args.max_new_tokens, link_gbps(), device, deadline, workdir, audit)
+            report["errors"] += report["in_loop"]["errors"]
         finally:
             report["figure_failures"] += audit.failures
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -46,7 +47,7 @@ from specexec_hf.offload import layer_streamer
 
 from benchmarks.figure_checks import FigureAudit, FigureError, Noise, parts_within, positive, ratio
 from benchmarks.gpu_offload.end_to_end import RealPair
-from benchmarks.gpu_offload.forward import decoder_layer_bytes
+from benchmarks.gpu_offload.forward import decoder_layer_bytes, full_shape_streamed_bytes
 from benchmarks.gpu_offload.placement import collect, placed_target, release
 from benchmarks.gpu_offload.projection import PUBLISHED
 from benchmarks.report import Goal, table
@@ -193,12 +194,13 @@ def verified_by(big: BigVerifier) -> Iterator[None]:
         yield
 
 
-def methods(pair: RealPair, budgets: list[int]) -> dict[str, dict[str, Any]]:
-    """The loop's methods as ``generate()`` keywords of the pair (``None``: plain, the big target alone)."""
-    found: dict[str, dict[str, Any]] = {"plain streamed": {}, "HF assisted": {"assistant_model": pair.draft}}
-    for budget in budgets:
-        found[f"SpecExec budget {budget}"] = {"assistant_model": pair.draft, "speculator": "specexec",
-                                              "budget": budget}
+def methods(pair: RealPair, budgets: list[int], headline: bool) -> dict[str, dict[str, Any]]:
+    """The loop's methods as ``generate()`` keywords of the pair (empty: plain, the big target alone), SpecExec
+    first; plain and HF assisted only for the headline target, whose goals compare them."""
+    found = {f"SpecExec budget {budget}": {"assistant_model": pair.draft, "speculator": "specexec", "budget": budget}
+             for budget in budgets}
+    if headline:
+        found.update({"HF assisted": {"assistant_model": pair.draft}, "plain streamed": {}})
     return found
 
 
@@ -239,7 +241,7 @@ def measure_target(
     time left holds them at the warm-up's pace."""
     entry: dict[str, Any] = {"bytes_per_forward": big.bytes_per_forward,
                              "full_shape_bytes_per_forward": big.full_shape_bytes_per_forward, "methods": {}}
-    for name, kwargs in methods(pair, budgets).items():
+    for name, kwargs in methods(pair, budgets, big.headline).items():
         if not deadline.allows(10):
             entry["methods"][name] = {"status": "skipped: time budget spent"}
             continue
@@ -316,7 +318,9 @@ def big_targets(
             yield f"{label}: not run: {error}"
             continue
         streamed = layer_streamer(model).streamed_bytes_per_forward
-        full = streamed + (shape.layers - layers) * decoder_layer_bytes(built, weights)
+        built_as = {"shape": {"layers": shape.layers}, "layers_built": layers,
+                    "layer_bytes": decoder_layer_bytes(built, weights)}
+        full = full_shape_streamed_bytes({"streamed_bytes": streamed}, built_as)
         del built
         try:
             yield BigTarget(label, model, streamed, full, headline=weights is None)
@@ -331,7 +335,8 @@ def in_loop(
     link_gbps: float, device: torch.device, deadline: Deadline, offload_dir: Path, audit: FigureAudit,
 ) -> dict[str, Any]:
     """The section's figures (see the module docstring); a figure that fails its check is recorded in ``audit``
-    and withheld (with what derives from it)."""
+    and withheld (with what derives from it); a target whose run raised is recorded under ``errors``, and the next
+    one still runs."""
     pair.reference.to(device)
     pair.draft.to(device)
     result: dict[str, Any] = {
@@ -339,13 +344,18 @@ def in_loop(
         "replayed": "each step's accepted path: the real small target's walk over the same tree or chain; its "
                     "forwards are timed apart and not counted in tokens/s",
         "ids": "the pair's token ids mapped into the big target's vocabulary by id % vocab",
-        "targets": {}, "notes": []}
+        "targets": {}, "notes": [], "errors": []}
     for big in big_targets(shapes, device, offload_dir):
         if isinstance(big, str):
             result["notes"].append(big)
             continue
-        result["targets"][big.label] = target_figures(big, pair, budgets, max_new_tokens, link_gbps, device,
-                                                      deadline, audit)
+        try:
+            result["targets"][big.label] = target_figures(big, pair, budgets, max_new_tokens, link_gbps, device,
+                                                          deadline, audit)
+        except Exception as error:  # recorded, so that one target failing does not lose the next one's figures
+            result["targets"][big.label] = {"status": f"error: {type(error).__name__}: {error}"}
+            result["errors"].append({"section": SECTION, "traceback": traceback.format_exc()})
+            collect(device)
     return result
 
 
