@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.gpu_offload.checks import check_figures
 from benchmarks.gpu_offload.end_to_end import is_rounding_level
+from benchmarks.gpu_offload.in_loop import in_loop_markdown
 from benchmarks.gpu_offload.projection import GRAPHED
 from benchmarks.report import Goal, write_report
 from benchmarks.shapes import GB
@@ -179,6 +180,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     elif e2e:
         lines += ["## End to end", "", e2e.get("status", ""), ""]
+    lines += in_loop_markdown(report.get("in_loop"))
     for projection in report.get("projections", []):
         lines += [f"## Projected tokens/s: {projection['shape']}", "",
                   f"Tokens per target forward and draft forwards per target forward: {projection['rates_source']}. "
@@ -274,7 +276,7 @@ def merged_reports(paths: list[Path]) -> dict[str, Any]:
             report[key] += earlier.get(key, [])
         for shape_result in earlier.get("shapes", []):
             add_shape(report, shape_result)
-        for key in ("link", "draft", "end_to_end", "disk"):
+        for key in ("link", "draft", "end_to_end", "in_loop", "disk"):
             if earlier.get(key):
                 report[key] = earlier[key]
     return report
