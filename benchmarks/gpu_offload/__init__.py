@@ -28,8 +28,14 @@ Sections, in the order they run (each one is skipped, with the reason recorded, 
    forward time at that many tokens + tree-growth time = seconds per draft forward of the GPU draft x the real
    pair's draft forwards per tree); plain offloaded generate() and HF assisted computed the same way. Then the
    paper's and UMbreLLa's published figures, normalised by link speed as tokens per weight-stream time.
-6. **Largest bf16 shape the host holds** (section ``largest``), stream executor only.
-7. **The SSD tier** (section ``disk``): a random-weight bf16 checkpoint of the Llama-3.2-1B shape (2.5 GB) written
+6. **In one loop** (section ``in_loop``, ``in_loop.py``): the default pair's real trees and chains on real held-out
+   prompts verified, one forward per step, by big random targets streamed from pinned RAM (Llama-3-8B bf16; Llama-3-70B
+   with int4 layers, ``--in-loop-int4-layers`` of them, when optimum-quanto is present), each step's accepted path
+   replayed from the pair's own walk, the small target's forwards timed apart and not counted: SpecExec
+   (``--in-loop-budgets``), HF assisted and plain streamed decoding in the same run, their ratios, and the int4
+   target's share of its link-bound ideal, normalised to PCIe 4.0 x16 beside the published systems.
+7. **Largest bf16 shape the host holds** (section ``largest``), stream executor only.
+8. **The SSD tier** (section ``disk``): a random-weight bf16 checkpoint of the Llama-3.2-1B shape (2.5 GB) written
    to the machine's own disk (``--disk-dir``, else the first of $TMPDIR, /tmp, /var/tmp with room and ``O_DIRECT``),
    the disk's direct-read bound measured on it (best of up to 3 cold whole-file reads, ``loaders.disk_bound``),
    then the model loaded with every decoder layer on disk and timed by the stream executor over 1, 16, 64 and 256
@@ -42,7 +48,7 @@ measured bound, a time split within its whole; goals, whole-shape extrapolations
 figures that passed. A figure that fails is withheld from the tables with what was derived from it, listed with why,
 its section marked FAILED, and the run exits with status 4 (1 when a section also failed).
 
-``--sections`` picks sections 1-4, 6 and 7 (default: all); the projection is remade from whatever the report holds
+``--sections`` picks sections 1-4 and 6-8 (default: all); the projection is remade from whatever the report holds
 each time it is written. The report (gpu_offload.json, .md, .png in ``--out``) is written after every section, so a
 section that fails or is killed loses only its own figures: a section that started and never finished says so.
 ``--merge`` starts from earlier reports (e.g. one per device call, see ``scripts/gpu_check``): their sections are
@@ -56,6 +62,6 @@ disk; a host memcpy stands in for the link; the end to end section on the synthe
 nothing.
 
 Run: python -m benchmarks.gpu_offload --out DIR [--tiny] [--sections ...] [--merge FILE ...] [--time-budget 330]
-                                      [--layers N] [--pair auto] [--disk-dir DIR]
+                                      [--layers N] [--pair auto] [--disk-dir DIR] [--in-loop-budgets 256 1024]
 """
 
