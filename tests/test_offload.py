@@ -139,14 +139,14 @@ def test_a_resident_streamed_head_runs_lazily_and_the_next_forwards_first_layers
     """The LM head has a buffer of its own (it stays loaded), so the walk applies it to a few rows after the forward
     instead of to every node inside it; the last decoder layer then queues the next forward's first layers, which
     read while the walk and the draft run."""
-    from specexec_hf.hf.forward import _head_applies_lazily
+    from specexec_hf.hf.forward import head_applies_lazily
 
     model = tiny_model("llama", seed=0, num_layers=6, vocab_size=16384, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as folder:
         offloaded = offloaded_copy(model, folder, "all on disk", "stream", prefetch=prefetch)
         streamer = layer_streamer(offloaded)
         head_position = streamer.unit_names.index("lm_head")
-        assert streamer._stays_loaded[head_position] and _head_applies_lazily(offloaded)
+        assert streamer._stays_loaded[head_position] and head_applies_lazily(offloaded)
         ids = prompt(2, 4)
         with torch.no_grad():
             for _ in range(2):

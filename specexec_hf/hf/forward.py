@@ -172,6 +172,12 @@ def packed_logits(
 def _kept_logits(model: PreTrainedModel, kwargs: dict[str, Any], keep: int | torch.Tensor) -> torch.Tensor:
     """The forward's float32 logits ``[batch, kept, vocab]``, through ``logits_to_keep`` where the model takes it."""
     if model._supports_logits_to_keep():
+        if isinstance(keep, int):
+            # The last rows by index, not by slice: over several fed tokens a slice of the hidden states is a strided
+            # view, whose product with the head makes torch (2.13, CPU) copy the whole transposed head every call
+            # (200 MB for a 1.7B model); gathered rows are contiguous and take the plain product.
+            fed = kwargs["position_ids"].shape[-1]
+            keep = torch.arange(fed - keep, fed, device=kwargs["position_ids"].device)
         return model(**kwargs, logits_to_keep=keep).logits.float()
     logits = model(**kwargs).logits
     return (logits[:, -keep:] if isinstance(keep, int) else logits[:, keep]).float()
@@ -261,7 +267,7 @@ def _head_rows(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
             del head.forward
 
 
-def _head_applies_lazily(model: PreTrainedModel) -> bool:
+def head_applies_lazily(model: PreTrainedModel) -> bool:
     """Whether ``logits == lm_head(last hidden state)`` can be applied outside the forward.
 
     That holds for the verified families' plain linear heads held in memory; heads wrapped by offloading hooks
@@ -304,7 +310,7 @@ def node_logits(
         tree: The tree of the nodes, whose likeliest paths a lazy head computes together (see :class:`NodeLogits`).
     """
     traced = hidden_states or attentions
-    if not (traced or _head_applies_lazily(model)):
+    if not (traced or head_applies_lazily(model)):
         return NodeLogits(logits=model_logits(model, feed))
     kwargs, num_nodes = feed.inputs(model), feed.num_logits
     if traced:

@@ -14,11 +14,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..core.batch_packing import kept_feed_slots, pack_rows, padded_stack
+from ..core.batch_packing import kept_feed_slots
 from ..core.masks import chain_and_tree_mask
 from ..core.tree import TokenTree
-from .forward import Feed, NodeLogits, forward_inputs, node_logits
-from .forward import _head_applies_lazily as head_applies_lazily
+from .forward import Feed, NodeLogits, head_applies_lazily, node_logits, packed_inputs
 from .kv import compact_cache, compact_rows, new_cache, select_rows
 from .request import Request
 
@@ -99,19 +98,7 @@ class BatchTreeScorer:
             tree_feed(request, self.cache, cached, row, tree)
             for request, cached, row, tree in zip(self.requests, self.cached, committed, trees)
         ]
-        packed = pack_rows(
-            [feed.tokens for feed in feeds], [feed.positions for feed in feeds],
-            [feed.positions if feed.span_positions is None else feed.span_positions for feed in feeds],
-            [feed.visibility() for feed in feeds], self.cached, width,
-        )
-        longest = packed.tokens.shape[1]
-        extra_inputs = {
-            name: padded_stack([(feed.extra_inputs or {})[name] for feed in feeds], longest)
-            for name in feeds[0].extra_inputs or {}
-        }
-        kwargs = forward_inputs(
-            self.model, packed.tokens, packed.positions, self.cache, packed.visible, extra_inputs, packed.span_positions
-        )
+        kwargs = packed_inputs(self.model, feeds, self.cache, self.cached)
         pending = [row.shape[1] - cached for row, cached in zip(committed, self.cached)]
         self._fed = (width, pending)
         # Row r's tree nodes: its root (the last pending token), then nodes 1.. right after it.
