@@ -102,7 +102,7 @@ def test_a_tiny_run_through_the_loop(pair, tmp_path):
     assert audit.failures == []
     (entry,) = result["targets"].values()
     assert entry["status"] == "measured"
-    assert set(entry["methods"]) == {"plain streamed", "HF assisted", "SpecExec budget 8"}
+    assert list(entry["methods"]) == ["SpecExec budget 8", "HF assisted", "plain streamed"]
     assert entry["methods"]["plain streamed"]["tokens_per_forward"] == pytest.approx(1.0)
     assert {goal["key"] for goal in entry["goals"]} == {"in_loop_specexec_over_plain", "in_loop_specexec_over_assisted"}
     assert in_loop.in_loop_markdown(result)[0].startswith("## In one loop")
@@ -149,3 +149,11 @@ def test_a_target_that_raises_is_an_error_and_the_next_one_still_runs(pair, tmp_
     result = in_loop.in_loop(pair, shapes, [8], 4, 10.0, CPU, Deadline(60), tmp_path, FigureAudit(STAND_IN))
     assert len(calls) == 2 and len(result["errors"]) == 1 and "out of memory" in result["errors"][0]["traceback"]
     assert result["targets"][calls[0]]["status"] == "error: RuntimeError: out of memory"
+
+
+def test_the_goals_methods_run_first_and_a_target_past_the_deadline_is_a_note(pair, tmp_path):
+    assert list(in_loop.methods(pair, [256, 1024], headline=True)) == [
+        "SpecExec budget 256", "HF assisted", "plain streamed", "SpecExec budget 1024"]
+    assert list(in_loop.methods(pair, [256, 1024], headline=False)) == ["SpecExec budget 256", "SpecExec budget 1024"]
+    (note,) = in_loop.big_targets([(SHAPES["tiny"], 2, None)], CPU, tmp_path, Deadline(1.0))
+    assert "not run: the time budget" in note

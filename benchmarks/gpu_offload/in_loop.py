@@ -58,6 +58,9 @@ PCIE4_X16_GBPS = 25.0  # a PCIe 4.0 x16 link's usable host-to-device rate, the c
 IDEAL_SHARE_GOAL = 0.85
 GOAL_OVER = {"plain streamed": ("plain", 5.0), "HF assisted": ("assisted", 2.0)}  # SpecExec over each, 8B bf16
 SECTION = "in loop"
+# Seconds a big target needs left to be built, placed and run one method: on the CPU stand-in, on a GPU (the 8B bf16
+# target: 16 GB of random weights written, then pinned).
+BUILD_SECONDS = (5.0, 60.0)
 
 
 @dataclass
@@ -195,13 +198,15 @@ def verified_by(big: BigVerifier) -> Iterator[None]:
 
 
 def methods(pair: RealPair, budgets: list[int], headline: bool) -> dict[str, dict[str, Any]]:
-    """The loop's methods as ``generate()`` keywords of the pair (empty: plain, the big target alone), SpecExec
-    first; plain and HF assisted only for the headline target, whose goals compare them."""
-    found = {f"SpecExec budget {budget}": {"assistant_model": pair.draft, "speculator": "specexec", "budget": budget}
-             for budget in budgets}
+    """The loop's methods as ``generate()`` keywords of the pair (empty: plain, the big target alone), in the order
+    they run, the goals' first: SpecExec at the first budget, then (for the headline target only, whose goals
+    compare them) HF assisted and plain, then SpecExec at the other budgets."""
+    specexec = {f"SpecExec budget {budget}": {"assistant_model": pair.draft, "speculator": "specexec", "budget": budget}
+                for budget in budgets}
+    first = dict(list(specexec.items())[:1])
     if headline:
-        found.update({"HF assisted": {"assistant_model": pair.draft}, "plain streamed": {}})
-    return found
+        first.update({"HF assisted": {"assistant_model": pair.draft}, "plain streamed": {}})
+    return {**first, **specexec}
 
 
 def run_method(
@@ -304,13 +309,18 @@ def ideal_figures(entry: dict[str, Any], link_gbps: float, noise: Noise) -> dict
 
 def big_targets(
     shapes: list[tuple[LlamaShape, int, str | None]], device: torch.device, offload_dir: Path,
+    deadline: Deadline | None = None,
 ) -> Iterator[BigTarget | str]:
     """Each ``(shape, layers, weights)`` built and placed in turn (freed when the next is asked for); a note
-    instead where it cannot be (int4 without optimum-quanto)."""
+    instead where it cannot be (int4 without optimum-quanto) or where ``deadline`` leaves too little time to build
+    it and run a method (:data:`BUILD_SECONDS`): a section killed at its limit would lose every target's figures."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for shape, layers, weights in shapes:
         label = f"{shape.name} {str(dtype).removeprefix('torch.') if weights is None else weights}, {layers} of " \
                 f"{shape.layers} layers"
+        if deadline is not None and not deadline.allows(BUILD_SECONDS[device.type == "cuda"]):
+            yield f"{label}: not run: the time budget has {deadline.left():.0f} s left"
+            continue
         built = random_llama(shape, layers, dtype)
         try:
             model = placed_target("stream", built, device, offload_dir, weights)
@@ -345,7 +355,7 @@ def in_loop(
                     "forwards are timed apart and not counted in tokens/s",
         "ids": "the pair's token ids mapped into the big target's vocabulary by id % vocab",
         "targets": {}, "notes": [], "errors": []}
-    for big in big_targets(shapes, device, offload_dir):
+    for big in big_targets(shapes, device, offload_dir, deadline):
         if isinstance(big, str):
             result["notes"].append(big)
             continue
