@@ -3,8 +3,6 @@ the dynamic cache, the same outputs, no host read added; on CUDA, graph replays 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 from unittest import mock
 
@@ -21,7 +19,7 @@ from specexec_hf import SpecExecConfig, SpecExecStats
 from specexec_hf.core.round_search import RoundPolicy
 from specexec_hf.core.search import BestFirstPolicy
 from specexec_hf.core.uploads import upload
-from specexec_hf.hf import draft_graphs, generation
+from specexec_hf.hf import draft_graphs
 from specexec_hf.hf.candidate_generator import SpecExecCandidateGenerator
 from specexec_hf.hf.draft_cache import DraftCache, forward_feeds, scored_columns
 from specexec_hf.hf.draft_graphs import (
@@ -39,13 +37,6 @@ STATIC_ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 def small_buckets():
     """Capacities from 8 and graphed widths up to 8, so that tiny trees grow the cache and prompts run unpadded."""
     return mock.patch.multiple(draft_graphs, FIRST_CAPACITY=8, MAX_GRAPHED_WIDTH=8)
-
-
-def static_generate():
-    """generate() with its drafter's draft_graphs='on' (a knob generate() does not pass yet)."""
-    return mock.patch.object(
-        generation, "SpecExecCandidateGenerator", functools.partial(SpecExecCandidateGenerator, draft_graphs="on")
-    )
 
 
 @given(
@@ -115,14 +106,21 @@ def test_greedy_over_the_static_cache_equals_plain_greedy(
     steps = {}
     for static in (False, True):
         stats = SpecExecStats()
-        with small_buckets(), static_generate() if static else contextlib.nullcontext():
+        static_feeds = mock.patch.object(
+            draft_graphs.StaticDraftCache, "logits", autospec=True, side_effect=draft_graphs.StaticDraftCache.logits
+        )
+        with small_buckets(), static_feeds as spy:
             got = target.generate(
                 ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, speculator="specexec",
-                specexec_stats=stats, learnt_state=LearntState(), **policy, **knobs,
+                specexec_stats=stats, learnt_state=LearntState(), draft_graphs="on" if static else "off", **policy,
+                **knobs,
             )
         assert got.tolist() == expected.tolist()
+        # The draft ran over the static cache exactly when asked to (a call whose one token needs no tree runs none).
+        assert spy.called == (static and stats.draft_forwards > 0)
         steps[static] = [(step.tree_size, step.path_length) for step in stats.steps]
-    assert steps[True] == steps[False]
+    if search != "draft_ahead":  # drafting ahead grows while the target verifies: its trees follow the clock
+        assert steps[True] == steps[False]
 
 
 def test_sampling_over_the_static_cache_follows_the_targets_distribution():
@@ -132,14 +130,14 @@ def test_sampling_over_the_static_cache_follows_the_targets_distribution():
     distribution = exact_distribution(target, processors(settings))
     torch.manual_seed(2024)
     counts: dict[tuple[int, ...], int] = {}
-    with static_generate():
-        for _ in range(1000):
-            out = target.generate(
-                PROMPT, do_sample=True, max_new_tokens=2, top_k=None, top_p=None, **settings, assistant_model=draft,
-                speculator="specexec", budget=6, max_branch=3, tree_search="rounds", sampled_children=True,
-            )
-            outcome = tuple(out[0, PROMPT.shape[1] :].tolist())
-            counts[outcome] = counts.get(outcome, 0) + 1
+    for _ in range(1000):
+        out = target.generate(
+            PROMPT, do_sample=True, max_new_tokens=2, top_k=None, top_p=None, **settings, assistant_model=draft,
+            speculator="specexec", budget=6, max_branch=3, tree_search="rounds", sampled_children=True,
+            draft_graphs="on",
+        )
+        outcome = tuple(out[0, PROMPT.shape[1] :].tolist())
+        counts[outcome] = counts.get(outcome, 0) + 1
     assert chi_square_p(counts, distribution) > 1e-3
 
 
