@@ -97,7 +97,7 @@ def markdown(report: dict) -> str:
         + " | identical |",
         "|---|---|---|---|" + "---|---|---|" * len(budgets) + "---|",
     ]
-    for name, info in report["drafts"].items():
+    for info in report["drafts"].values():
         cells = [info["label"], str(info["layers"]), f"{info['top1_agreement']:.3f}",
                  f"{info['draft_over_target_forward_time']['16']:.2f}x"]
         for row in info["runs"]:

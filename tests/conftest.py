@@ -6,7 +6,6 @@ import copy
 import importlib
 import importlib.util
 import os
-from types import ModuleType
 
 import pytest
 import torch
@@ -35,11 +34,6 @@ def importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
-
-
-def benchmark_script(name: str) -> ModuleType:
-    """The module ``benchmarks.<name>`` of the benchmarks package (the repository root is on pytest's path)."""
-    return importlib.import_module(f"benchmarks.{name}")
 
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the threads' spin-waits

@@ -449,9 +449,9 @@ def test_the_streamer_counts_how_long_the_disk_sat_idle_before_a_forward(tmp_pat
 
 def read_ahead_hint(streamer, idle_per_forward: float, forward_seconds: float, forwards: int = 8) -> str | None:
     """The hint a ReadAheadWatch gives for ``forwards`` steps over a stand-in streamer, or None."""
-    model = SimpleNamespace(_specexec_layer_streamer=streamer)
     steps: list = []
-    watch = offload_hint.ReadAheadWatch(model, steps)
+    with patch.object(offload_hint, "executor_of", return_value=streamer):
+        watch = offload_hint.ReadAheadWatch(SimpleNamespace(), steps)
     streamer.forwards_begun += forwards
     streamer.read_ahead_idle_seconds += forwards * idle_per_forward
     steps += [StepStats(tree_size=17, accepted=3, draft_forwards=5, draft_seconds=0.06,

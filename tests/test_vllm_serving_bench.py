@@ -177,6 +177,7 @@ def test_tree_draft_settings_reach_the_proposer(tmp_path):
     assert "vocab.json" not in draft_model[draft_model.index("--speculative-config") + 1]
 
 
+@pytest.mark.vllm
 def test_the_default_pair_s_draft_vocabulary_is_written_where_the_proposer_reads_it(tmp_path):
     """Into the exported draft's folder, where the proposer reads it by default."""
     pytest.importorskip("vllm")
@@ -189,6 +190,7 @@ def test_the_default_pair_s_draft_vocabulary_is_written_where_the_proposer_reads
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_serving_benchmark_on_the_tiny_pair(vllm_env, tmp_path):
     output = tmp_path / "serving.json"
     vllm_serving.main(

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import benchmark_script
 
 PROPOSER = "specexec_hf.vllm.SpecExecProposer"
 PROMPTS = ["the quick brown fox", "lazy dog", "a token tree grows by best first search over", "speculative"]
@@ -21,7 +20,9 @@ REQUEST_TIMEOUT_S = 120
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny synthetic target and a noisy draft of it, saved as Hugging Face models (benchmarks/synthetic_models.py,
     which the benchmarks share)."""
-    return benchmark_script("synthetic_models").make_tiny_pair(tmp_path_factory.mktemp("tiny"), noise=0.1)
+    from benchmarks import synthetic_models
+
+    return synthetic_models.make_tiny_pair(tmp_path_factory.mktemp("tiny"), noise=0.1)
 
 
 @dataclass
@@ -35,7 +36,8 @@ class ServerRun:
 def serve_completions(target: Path, log: Path, extra_args: list[str], extra_env: dict[str, str]) -> ServerRun:
     """Runs ``vllm serve`` on 127.0.0.1 (the serving benchmark's ``Server``), sends ``PROMPTS`` concurrently, reads
     its counters, and fails the test unless the server shuts down on SIGTERM."""
-    serving = benchmark_script("vllm_serving")
+    from benchmarks import vllm_serving as serving
+
     args = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(len(PROMPTS)), "--enforce-eager",
             *extra_args]  # fmt: skip
     server = serving.Server(str(target), log, args, {**os.environ, **extra_env}, SERVER_START_TIMEOUT_S)

@@ -26,7 +26,7 @@ from benchmarks.gpu_offload.placement import (
     streamed_bytes_per_timed_forward,
 )
 from benchmarks.report import Goal
-from benchmarks.shapes import GB, LlamaShape, SHAPES, quantize_layers, random_llama, sharing_weights
+from benchmarks.shapes import GB, SHAPES, LlamaShape, quantize_layers, random_llama, sharing_weights
 from benchmarks.timing import Deadline, median, synchronize, synchronize_compute, warm_median_seconds
 
 
@@ -39,9 +39,9 @@ def forward_times(
     Two 1-token forwards first: a warm-up, which pays the one-time costs (allocations, kernel selection; quanto
     builds its packed int4 kernel there: 43 s in the device-shaped environment of the rehearsal, 0.02 s a forward
     after), then one timed, from which the time the token counts need is estimated. A token count whose repeats would
-    not fit in the time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead landed, as
-    it has after the draft grew its tree: disk reads on the streamer's reader thread included) and ends when its
-    compute is done: copies it issued for the next forward are not its time.
+    not fit in the time left is skipped and listed. Each forward starts with every queue idle (a streamer's read-ahead
+    landed, as it has after the draft grew its tree: disk reads on the streamer's reader thread included) and ends when
+    its compute is done: copies it issued for the next forward are not its time.
     """
     streamer = layer_streamer(model)
     vocab = model.config.vocab_size

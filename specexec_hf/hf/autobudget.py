@@ -52,6 +52,7 @@ from ..core.tree import TokenTree
 from ..core.verify import Acceptance
 from .cache_dir import cache_root
 from .compat import execution_device
+from .executor import executor_of
 from .forward import Feed, model_logits, node_logits
 from .kv import compact_cache, new_cache
 
@@ -158,8 +159,7 @@ def _placement(model: PreTrainedModel) -> str:
     units = Counter(str(where) for where in device_map.values())
     offloaded = sum(parameter.device.type == "meta" for parameter in model.parameters())
     placement = f"device map {dict(sorted(units.items()))}, {offloaded} tensors on meta"
-    # Set by specexec_hf.offload's executors, which this layer does not import (they sit above it).
-    streamer = getattr(model, "_specexec_layer_streamer", None)
+    streamer = executor_of(model)
     if streamer is not None:
         placement += (
             f", {type(streamer).__name__} prefetch {streamer.prefetch}, "

@@ -21,9 +21,9 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-# The attribute's name is the one the executors set before this seam existed, so code written against it (the
-# auto-budget's placement key, tests' stand-ins) finds the same executor.
-_EXECUTOR_ATTRIBUTE = "_specexec_layer_streamer"
+# Named only here: the model holds its executor (a weak registry keyed by the model would keep every streamed model
+# alive, the executor's hooks referring back to it).
+_EXECUTOR_ATTRIBUTE = "_specexec_executor"
 
 
 @runtime_checkable

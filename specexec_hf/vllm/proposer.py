@@ -336,7 +336,7 @@ class SpecExecProposer:
             self.stats.tree_nodes += result.tree.num_nodes - 1
         if self.tree_verifier is None:
             for row, result in zip(rows, trees.results):
-                drafts[row] = result.tree.tokens[result.tree.best_path()].tolist()
+                drafts[row] = result.tree.best_chain().tolist()
                 self.stats.proposed_tokens += len(drafts[row])
         else:
             sent = []
