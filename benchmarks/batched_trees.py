@@ -25,9 +25,7 @@ Smoke run (tiny random models in memory, no cap, no root; timings meaningless):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,25 +36,12 @@ import specexec_hf
 from specexec_hf import SpecExecStats
 
 from benchmarks.figure_checks import positive
+from benchmarks.memory_cap import MemoryCap, evict
+from benchmarks.report import Goal, table, write_report
+from benchmarks.ssd import cpu_description
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batched_trees"
-MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
-GROUP = MEMORY_CONTROLLER / "specexec_batched_trees"
-
-
-def join_memory_cap() -> None:
-    """Moves this process into its own cgroup v1 memory group (no limit yet); see ``memory_cap.py``."""
-    if os.geteuid() != 0 or not (MEMORY_CONTROLLER / "cgroup.procs").is_file():
-        raise SystemExit("The RAM cap needs root and a cgroup v1 memory controller; pass --no-cap to run uncapped.")
-    GROUP.mkdir(exist_ok=True)
-    (GROUP / "cgroup.procs").write_text(str(os.getpid()))
-
-
-def set_memory_cap(extra_bytes: int) -> int:
-    """Limits the group to what it holds now plus ``extra_bytes`` (page cache included); returns the limit."""
-    limit = int((GROUP / "memory.usage_in_bytes").read_text()) + extra_bytes
-    (GROUP / "memory.limit_in_bytes").write_text(str(limit))
-    return limit
+GROUP = "specexec_batched_trees"
 
 
 def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module, None]:
@@ -76,18 +61,21 @@ def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module, None]:
     return target, draft, None
 
 
-def default_pair_streamed(cap_fraction: float | None):
-    """The default draft in RAM and the default target streamed from disk, in float32; with ``cap_fraction``, the
-    group capped at the loaded process plus that share of the target's weights."""
+def default_pair_streamed(cap: MemoryCap | None, cap_fraction: float):
+    """The default draft in RAM and the default target streamed from disk, in float32, its weight files evicted from
+    the page cache; with a ``cap``, the group capped at the loaded process plus ``cap_fraction`` of the target's
+    weights."""
     from specexec_hf.models.default_pair import default_target_dir
     from specexec_hf.offload import load_offloaded
 
     _, draft, tokenizer = specexec_hf.load_default_pair(dtype=torch.float32, draft_dtype=torch.float32)
     checkpoint = default_target_dir()
     target = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", dtype=torch.float32)
-    if cap_fraction is not None:
-        weights = sum(path.stat().st_size for path in checkpoint.glob("*.safetensors"))
-        set_memory_cap(int(cap_fraction * weights))
+    files = sorted(checkpoint.glob("*.safetensors"))
+    for path in files:
+        evict(path)
+    if cap is not None:
+        cap.limit(cap.usage() + int(cap_fraction * sum(path.stat().st_size for path in files)))
     return target, draft, tokenizer
 
 
@@ -141,13 +129,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    if not args.no_cap:
-        join_memory_cap()
+    cap = None if args.no_cap else MemoryCap(GROUP)
+    if cap is not None:
+        reason = MemoryCap.unavailable()
+        if reason:
+            raise SystemExit(f"The RAM cap needs root and a cgroup v1 memory controller ({reason}); pass --no-cap "
+                             "to run uncapped.")
+        cap.join()  # first: pages charged before joining would stay outside the group
+    load_before = os.getloadavg()
     if args.tiny:
         target, draft, tokenizer = tiny_pair()
         pad = 0
     else:
-        target, draft, tokenizer = default_pair_streamed(None if args.no_cap else args.cap_fraction)
+        target, draft, tokenizer = default_pair_streamed(cap, args.cap_fraction)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids])
@@ -195,29 +189,38 @@ def main() -> None:
         "batched / one by one": positive("batched / one by one", batched / tokens_per_second["specexec one by one"]),
         "batched / plain batched": positive("batched / plain batched", batched / tokens_per_second["plain batched"]),
     }
+    goals = [
+        Goal("batched_vs_one_by_one", f"SpecExec batch {args.batch} / SpecExec one prompt after another (tokens/s)",
+             ratios["batched / one by one"], 2.0),
+        Goal("batched_vs_plain_batched", f"SpecExec batch {args.batch} / plain batched generate() (tokens/s)",
+             ratios["batched / plain batched"], 1.7),
+    ]
     result = {
         "command": " ".join([sys.executable, "-m", "benchmarks.batched_trees", *sys.argv[1:]]),
-        "machine": platform.processor() or platform.machine(),
+        "machine": f"{cpu_description()}, {os.cpu_count()} cores",
+        "load_average_before": load_before,
+        "memory_cap": None if cap is None else {"limit_bytes": cap.limit_bytes(), "peak_bytes": cap.peak(),
+                                                "cap_hits": cap.failures()},
         "setting": {key: value for key, value in vars(args).items() if key != "out"} | {"out": str(args.out)},
         "new_tokens": generated,
         "seconds": seconds,
         "tokens_per_second": tokens_per_second,
         "target_forwards": forwards,
         "ratios": ratios,
-        "goals": {"batched / one by one": 2.0, "batched / plain batched": 1.7},
+        "goals": goals,
         "outputs_identical": not mismatches,
         "mismatches": mismatches,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "batched_trees.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# batched_trees\n\n`{result['command']}`\n", "| method | tokens/s | seconds | target forwards |",
-             "|---|---|---|---|"]
-    lines += [f"| {method} | {tokens_per_second[method]:.2f} | {seconds[method]:.2f} | {forwards.get(method, '')} |"
-              for method in seconds]
-    lines += ["", *(f"- {name}: {value:.2f}x (goal {result['goals'][name]}x)" for name, value in ratios.items()),
-              f"- outputs identical: {not mismatches}"]
-    (args.out / "batched_trees.md").write_text("\n".join(lines) + "\n")
+    rows = [(method, f"{tokens_per_second[method]:.2f}", f"{seconds[method]:.2f}", forwards.get(method))
+            for method in seconds]
+    lines = [f"# batched_trees\n\n`{result['command']}`\n\n{result['machine']}; load average before "
+             f"{load_before[0]:.2f}; {'no RAM cap' if cap is None else 'RAM cap below the weights (cgroup v1)'}\n",
+             *table(("method", "tokens/s", "seconds", "target forwards"), rows, (False, True, True, True)),
+             "", *(goal.line() for goal in goals), f"- outputs identical: {not mismatches}"]
+    write_report(args.out, "batched_trees", result, "\n".join(lines))
     print("\n".join(lines))
+    if cap is not None:
+        cap.leave()
     if mismatches:
         raise SystemExit(f"outputs differ: {mismatches}")
 

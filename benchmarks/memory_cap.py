@@ -60,6 +60,10 @@ class MemoryCap:
         (self.group / "memory.limit_in_bytes").write_text(str(-1 if limit_bytes is None else int(limit_bytes)))
         (self.group / "memory.max_usage_in_bytes").write_text("0")  # the peak from here on
 
+    def limit_bytes(self) -> int:
+        """The cap now, in bytes (the kernel rounds it to pages; a huge number when there is none)."""
+        return int((self.group / "memory.limit_in_bytes").read_text())
+
     def failures(self) -> int:
         """How often the group hit its cap (each one a reclaim)."""
         return int((self.group / "memory.failcnt").read_text())
