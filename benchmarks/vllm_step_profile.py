@@ -49,6 +49,7 @@ from benchmarks.vllm_serving import PROMPTS, shipped_draft_vocab  # noqa: E402
 
 PARTS = ("step", "schedule", "prepare", "forward", "read wait", "attn native", "attn tree", "logits", "sample",
          "compact", "propose", "draft fwd", "tree start", "update")  # fmt: skip
+ATTENTION_TOTAL = "attn total"  # the backend's forward, tree rows included: "attn native" is it less "attn tree"
 
 
 class StepClock:
@@ -78,6 +79,8 @@ class StepClock:
             setattr(owner, attribute, timed)
 
     def end_step(self, record: dict[str, float]) -> None:
+        total = self.current.pop(ATTENTION_TOTAL, 0.0)
+        self.current["attn native"] = total - self.current.get("attn tree", 0.0)
         self.current.update(record)
         self.steps.append(dict(self.current))
         self.current = defaultdict(float)
@@ -88,7 +91,7 @@ def instrument(llm: Any, clock: StepClock) -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     from specexec_hf.hf import candidate_generator
-    from specexec_hf.patches import vllm_offload, vllm_tree
+    from specexec_hf.vllm import offload
 
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -98,11 +101,10 @@ def instrument(llm: Any, clock: StepClock) -> None:
     clock.wrap(runner, "_model_forward", "forward")
     clock.wrap(runner.model, "compute_logits", "logits")
     clock.wrap(runner, "_sample", "sample")
-    if vllm_tree._CPU_FORWARD:  # the tree patch's forward calls the native one through this table
-        clock.wrap(vllm_tree._CPU_FORWARD, "forward", "attn native")
-    else:
-        clock.wrap(CPUAttentionBackendImpl, "forward", "attn native")
-    streamer = getattr(runner.model, vllm_offload.STREAMER_ATTRIBUTE, None)
+    # The backend's forward as it runs now: with tree verification, vLLM's kernel then the tree rows' attention
+    # (the verifier's attend, timed apart), so the native kernel's share is the difference (end_step).
+    clock.wrap(CPUAttentionBackendImpl, "forward", ATTENTION_TOTAL)
+    streamer = getattr(runner.model, offload.STREAMER_ATTRIBUTE, None)
     if streamer is not None:
         clock.wrap(streamer, "_await", "read wait")
         clock.ring_mib = round(streamer.buffer_bytes / 2**20, 1)
