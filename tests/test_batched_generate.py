@@ -46,39 +46,45 @@ def specexec(target, draft, ids, mask, **kwargs):
     )
 
 
-@given(
-    arch=st.sampled_from(BATCH_ARCHITECTURES),
-    seed=st.integers(0, 2**16),
-    noise=st.sampled_from([0.0, 0.05, 2.0]),
-    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
-    max_new_tokens=st.integers(1, 16),
-    eos_at=st.none() | st.integers(0, 12),
-    budget=st.integers(1, 24),
-    max_branch=st.integers(1, 4),
-    step_budget=st.none() | st.integers(1, 40),
-)
-def test_each_row_is_what_the_target_gives_it_alone(
-    arch, seed, noise, lengths, max_new_tokens, eos_at, budget, max_branch, step_budget
-):
+@st.composite
+def batch_cases(draw: st.DrawFn) -> tuple:
+    """A tiny target of a batch architecture, a draft near it or far from it, a batch of prompts of random lengths
+    (left-padded: ``ids``, ``mask``) and the generation settings, maybe with an EOS the first row emits."""
+    arch, seed = draw(st.sampled_from(BATCH_ARCHITECTURES)), draw(st.integers(0, 2**16))
     target = tiny_model(arch, seed=seed)
-    draft = perturbed_copy(target, noise, seed=seed + 1)
-    prompts = random_prompts(seed, lengths)
+    draft = perturbed_copy(target, draw(st.sampled_from([0.0, 0.05, 2.0])), seed=seed + 1)
+    prompts = random_prompts(seed, draw(st.lists(st.integers(1, 9), min_size=1, max_size=5)))
     ids, mask = left_padded(prompts)
-    settings = {"max_new_tokens": max_new_tokens, "pad_token_id": PAD}
+    settings = {"max_new_tokens": draw(st.integers(1, 16)), "pad_token_id": PAD}
+    eos_at = draw(st.none() | st.integers(0, 12))
     if eos_at is not None:  # a token the first row emits at step eos_at: that row ends there, others maybe too
         free_run = target.generate(prompts[0], max_new_tokens=eos_at + 1, do_sample=False)
         settings["eos_token_id"] = int(free_run[0, -1])
-    stats = SpecExecStats()
-    got = specexec(
-        target, draft, ids, mask, budget=budget, max_branch=max_branch, step_budget=step_budget,
-        specexec_stats=stats, **settings,
-    )
+    return target, draft, prompts, ids, mask, settings
+
+
+def assert_each_row_is_what_the_target_gives_it_alone(target, prompts, ids, mask, settings, got):
+    """``got`` is what batched plain generate() returns, each row what its prompt alone gives, then padding."""
     assert got.tolist() == target.generate(ids, attention_mask=mask, do_sample=False, **settings).tolist()
     for row, prompt in enumerate(prompts):
         alone = target.generate(prompt, do_sample=False, **settings)[0, prompt.shape[1] :].tolist()
         new = got[row, ids.shape[1] :].tolist()
         assert new[: len(alone)] == alone
         assert all(token == PAD for token in new[len(alone) :])
+
+
+@given(
+    case=batch_cases(), budget=st.integers(1, 24), max_branch=st.integers(1, 4),
+    step_budget=st.none() | st.integers(1, 40),
+)
+def test_each_row_is_what_the_target_gives_it_alone(case, budget, max_branch, step_budget):
+    target, draft, prompts, ids, mask, settings = case
+    stats = SpecExecStats()
+    got = specexec(
+        target, draft, ids, mask, budget=budget, max_branch=max_branch, step_budget=step_budget,
+        specexec_stats=stats, **settings,
+    )
+    assert_each_row_is_what_the_target_gives_it_alone(target, prompts, ids, mask, settings, got)
     if len(prompts) > 1:  # one target forward per step for the whole batch, within the shared budget
         cap = len(prompts) * budget if step_budget is None else min(step_budget, len(prompts) * budget)
         assert all(step.tree_size <= cap + len(prompts) for step in stats.steps)
@@ -206,8 +212,7 @@ def test_an_all_padding_row_is_refused_naming_it(llama_pair):
         specexec(target, draft, ids, mask, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("setting", [{"budget": "auto"}, {"draft_ahead": True}, {"output_scores": True,
-                                                                                  "return_dict_in_generate": True}])
+@pytest.mark.parametrize("setting", [{"draft_ahead": True}, {"output_scores": True, "return_dict_in_generate": True}])
 def test_settings_a_batch_does_not_run_yet_are_refused_by_name(llama_pair, setting):
     target, draft = llama_pair
     ids, mask = left_padded(random_prompts(1, [3, 4]))

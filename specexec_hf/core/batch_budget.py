@@ -13,6 +13,7 @@ trees, each getting fewer nodes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -77,3 +78,22 @@ def step_total(
     # A curve extrapolated below its measured feeds may reach zero seconds; a step never costs nothing.
     seconds = {total: max(fixed_seconds + feed_seconds(rows + total), 1e-9) for total in candidates}
     return highest_rate({total: float(tokens[total]) / seconds[total] for total in candidates})
+
+
+# A row's tree grows to this many times its even share of the step's expected total: enough to feed that total even
+# when the best nodes gather in a few trees, and room for the total to grow.
+TREE_HEADROOM = 2
+
+
+def row_tree_budget(rows: int, expected_total: int | None, cap: int) -> int:
+    """Nodes each of ``rows`` trees grows to when a step keeps about ``expected_total`` of them in all:
+    :data:`TREE_HEADROOM` times its even share, between 1 and ``cap`` (``cap`` when no total is expected yet).
+
+    Args:
+        rows: The trees grown this step.
+        expected_total: The node total the step is expected to keep (``None``: not known yet).
+        cap: The most nodes one tree may grow to.
+    """
+    if rows < 1 or expected_total is None:
+        return cap
+    return max(1, min(cap, math.ceil(TREE_HEADROOM * expected_total / rows)))

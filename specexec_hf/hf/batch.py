@@ -9,6 +9,13 @@ them all in one target forward over a KV cache the rows share (:class:`~.tree_sc
 (:class:`~.decoder.TargetChoice`, as for one sequence). Each row's output is therefore the one its prompt alone
 would give.
 
+With ``step_budget="auto"`` (and ``budget="auto"``, which implies it for a batch) each step's node total is the one
+with the most forecast tokens per second (:func:`~specexec_hf.core.batch_budget.step_total`) under the target's
+measured forward profile and the step's draft forwards at their measured cost, the profile and the cost
+``budget="auto"`` measures for one sequence (:class:`~.autobudget.AutoBudget`); each row's tree grows to twice its
+even share of the last step's total (:func:`~specexec_hf.core.batch_budget.row_tree_budget`, as the vLLM path's
+trees), so a few rows holding the best nodes can still feed the total, without drafting every tree to its cap.
+
 The rows' tokens are committed one at a time against the stopping criteria, as a batched plain ``generate()``
 commits them: a finished row leaves the batch and is padded with ``pad_token_id`` when the criteria include an
 EOS criterion (plain decoding pads it then); without one plain decoding goes on decoding a finished row until every
@@ -19,7 +26,7 @@ tokens) at a time, as from batched plain decoding, each column once every row ha
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +34,11 @@ from transformers import PreTrainedModel
 from transformers.generation import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..core.batch_budget import row_tree_budget, step_total
 from ..core.search import SearchResult
 from ..core.stats import StepStats
-from ..core.step_budget import kept_nodes
+from ..core.step_budget import kept_nodes, path_scores
+from ..core.tree import TokenTree
 from ..core.verify import acceptance_walk
 from .candidate_generator import SpecExecCandidateGenerator, grow_trees
 from .decoder import ChoiceRule, StepOutcome, TargetChoice
@@ -76,6 +85,33 @@ def cut_result(result: SearchResult, keep: torch.Tensor) -> SearchResult:
     )
 
 
+class AutoStepTotal:
+    """``step_budget="auto"``: each step's node total over the rows' trees, and the size the trees grow to.
+
+    Args:
+        target_seconds: The target forward's seconds by tokens fed (the measured profile).
+        draft_forward_seconds: The seconds of one draft forward (measured).
+        cap: The most nodes one row's tree grows to.
+    """
+
+    def __init__(self, target_seconds: Callable[[int], float], draft_forward_seconds: float, cap: int):
+        self.target_seconds, self.draft_forward_seconds, self.cap = target_seconds, draft_forward_seconds, cap
+        self.last_total: int | None = None
+
+    def tree_budget(self, rows: int) -> int:
+        """Nodes each of ``rows`` trees grows to this step (the cap before the first step)."""
+        return row_tree_budget(rows, self.last_total, self.cap)
+
+    def choose(self, trees: Sequence[TokenTree], draft_forwards: int) -> int:
+        """The node total (roots excluded) this step's ``trees`` are cut to, their growth having taken
+        ``draft_forwards`` draft forwards (paid whatever the total)."""
+        self.last_total = step_total(
+            [path_scores(tree)[1:] for tree in trees], self.target_seconds,
+            self.draft_forward_seconds * draft_forwards,
+        )
+        return self.last_total
+
+
 class BatchDecoder:
     """SpecExec decoding of several sequences, one :meth:`step` of all live rows at a time; owns their target cache.
 
@@ -84,10 +120,14 @@ class BatchDecoder:
         rows: The batch; its rows' order is the cache's.
         rule: The target's choice rule (shared: the processors see each row's own sequence).
         step_budget: Tree nodes (roots excluded) one step verifies over all rows, given to the likeliest accepted
-            (:func:`~specexec_hf.core.step_budget.kept_nodes`); ``None``: every row's whole tree.
+            (:func:`~specexec_hf.core.step_budget.kept_nodes`); an :class:`AutoStepTotal` picks them (and the
+            trees' size) step by step; ``None``: every row's whole tree.
     """
 
-    def __init__(self, model: PreTrainedModel, rows: Sequence[BatchRow], rule: ChoiceRule, step_budget: int | None):
+    def __init__(
+        self, model: PreTrainedModel, rows: Sequence[BatchRow], rule: ChoiceRule,
+        step_budget: int | AutoStepTotal | None,
+    ):
         self.rows, self.rule, self.step_budget = list(rows), rule, step_budget
         self.scorer = BatchTreeScorer(model, [row.request for row in rows])
 
@@ -95,13 +135,20 @@ class BatchDecoder:
         """One step of every row: its tree, one target forward for all, its walk. Returns each row's outcome and the
         draft calls made for all of them; the caller commits and then calls :meth:`keep`."""
         started = time.perf_counter()
+        auto = self.step_budget if isinstance(self.step_budget, AutoStepTotal) else None
+        if auto is not None:
+            tree_budget = auto.tree_budget(len(self.rows))
+            for row in self.rows:
+                row.drafter.config = row.drafter.config.updated(budget=tree_budget)
         grown = grow_trees([
             (row.drafter, row.request.draft_history(row.committed), row.limit - row.sequence.shape[1] - 1)
             for row in self.rows
         ])
         verified_results = grown.results
-        if self.step_budget is not None:
-            keep = kept_nodes([result.tree for result in grown.results], self.step_budget)
+        trees = [result.tree for result in grown.results]
+        total = self.step_budget if auto is None else auto.choose(trees, grown.draft_calls)
+        if total is not None:
+            keep = kept_nodes(trees, total)
             verified_results = [cut_result(result, nodes) for result, nodes in zip(grown.results, keep)]
         drafted = time.perf_counter()
         logits = self.scorer.score([row.committed for row in self.rows], [r.tree for r in verified_results])
@@ -146,7 +193,7 @@ def decode_batch(
     recorder: OutputRecorder,
     pad_token_id: int | None,
     streamer: BaseStreamer | None = None,
-    step_budget: int | None = None,
+    step_budget: int | AutoStepTotal | None = None,
 ) -> torch.Tensor:
     """Decodes every row until it stops (see the module docstring); returns the ``[batch, n]`` sequences, finished
     rows padded with ``pad_token_id``, as batched plain ``generate()`` returns them.

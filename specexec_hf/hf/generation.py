@@ -20,7 +20,8 @@ from transformers.generation.streamers import BaseStreamer
 from ..core.config import SpecExecConfig
 from ..core.search import SearchPolicy, grow_tree, tree_policy
 from ..core.stats import SpecExecStats
-from .batch import decode_batch, new_rows
+from .autobudget import DEFAULT_CANDIDATES
+from .batch import AutoStepTotal, decode_batch, new_rows
 from .calibrated import ranking_setting
 from .candidate_generator import SpecExecCandidateGenerator
 from .compat import (
@@ -75,7 +76,7 @@ def generate(
     intermediate_model: PreTrainedModel | str | None = None,
     draft_budget: int | None = None,
     tree_search: SearchPolicy | str | None = None,
-    step_budget: int | None = None,
+    step_budget: int | Literal["auto"] | None = None,
     draft_graphs: DraftGraphs | None = None,
     learnt_state: LearntState | None = None,
     tokenizer=None,
@@ -89,7 +90,7 @@ def generate(
         input_ids: ``[batch, L]`` prompts, left-padded as a tokenizer pads them (``attention_mask`` in
             ``model_kwargs``). A batch of several decodes every row's tree in one target forward per step
             (:mod:`~.batch`); each row's output is the one its prompt alone would give, and the batch comes back
-            as batched plain decoding returns it. Not yet with ``budget="auto"``, ``draft_ahead``,
+            as batched plain decoding returns it. Not yet with ``draft_ahead``,
             ``intermediate_model`` or per-token outputs (scores, logits, hidden states, attentions); the returned
             ``past_key_values`` are then ``None``.
         logits_processor: Prepared by ``generate()``; applied to every verified node (see ``TreeLogitsProcessor``).
@@ -110,7 +111,8 @@ def generate(
         specexec_stats: Filled with per-step statistics when given.
         budget, max_depth, max_branch, expand_per_forward, max_draft_forwards, min_draft_gain, draft_temperature,
             context_match_weights, acceptance_calibration, sampled_children, draft_ahead: see :class:`SpecExecConfig`;
-            ``budget="auto"`` picks the budget before every step.
+            ``budget="auto"`` picks the budget before every step; for a batch it means ``step_budget="auto"``,
+            each row's tree growing to at most the largest budget it would pick for one prompt.
         intermediate_model: A draft hierarchy (TriForce): a causal LM between the draft and the target, e.g. a
             larger draft or ``"self:int8"`` / ``"self:exit:K"`` (as ``draft_model`` takes them). The draft grows a
             tree of ``draft_budget`` nodes, the intermediate scores it in one forward, and the target verifies the
@@ -128,8 +130,13 @@ def generate(
         step_budget: Tree nodes (roots excluded) one target forward verifies over all the batch's rows, given where
             the trees' ranking forecasts the most accepted tokens
             (:func:`~specexec_hf.core.step_budget.kept_nodes`, as the vLLM integration's step budget); each row
-            still grows a tree of ``budget`` nodes. ``None``: every row's whole tree. For one prompt it caps
-            ``budget``.
+            still grows a tree of ``budget`` nodes. ``"auto"``: each step's total is the one with the most forecast
+            tokens per second under the target's measured forward profile, the step's draft forwards at their
+            measured cost and the rows' calibrated node scores
+            (:func:`~specexec_hf.core.batch_budget.step_total`), and each row's tree grows to twice its even share
+            of the last total, at most ``budget`` (see :mod:`~.batch`): one setting for one prompt and many.
+            ``None``: every row's whole tree. For one prompt an integer caps ``budget`` and ``"auto"`` changes
+            nothing.
         draft_graphs: Whether the draft runs over a preallocated cache with padded feeds, each shape replayed as
             a CUDA graph on a GPU (:mod:`~.draft_graphs`; the same logits): ``"auto"`` (``None``: the generation
             config's, else ``"auto"``) for a CUDA draft with ``tree_search="rounds"``, ``"on"`` (eagerly on a CPU),
@@ -164,12 +171,15 @@ def generate(
         model_kwargs, synced_gpus, tokenizer, assistant_tokenizer,
     )
     config = _capped_by_step_budget(config, settings["step_budget"], len(requests))
-    if len(requests) > 1:
+    batched = len(requests) > 1
+    if batched:
         _check_batch_settings(config, intermediate_model, generation_config)
     hint_streaming_executor(model)
-    if config.budget != "auto":
+    # A batch's trees grow to at most the largest budget "auto" picks for one prompt.
+    tree_cap = max(DEFAULT_CANDIDATES) if batched and config.budget == "auto" else config.budget
+    if tree_cap != "auto":
         longest = max(request.input_ids.shape[1] for request in requests)
-        check_budget_fits(model, longest, generation_config.max_length, config.budget, rows=len(requests))
+        check_budget_fits(model, longest, generation_config.max_length, tree_cap, rows=len(requests))
     request = requests[0]
     intermediate = _checked_intermediate(model, intermediate_model, draft_budget, config, request, generation_config)
     state = learnt_state if learnt_state is not None else learnt_state_of(draft_model)
@@ -180,15 +190,19 @@ def generate(
     recorder = OutputRecorder(
         generation_config, model.config, specexec_stats if specexec_stats is not None else SpecExecStats()
     )
-    if len(requests) > 1:
+    if batched:
+        row_config = config.updated(budget=tree_cap)
         drafters = [
-            _drafter(model, draft_model, config, tree_search, state, generation_config, graphs) for _ in requests
+            _drafter(model, draft_model, row_config, tree_search, state, generation_config, graphs) for _ in requests
         ]
+        step_budget = settings["step_budget"]
+        if config.budget == "auto" or step_budget == "auto":
+            step_budget = _auto_step_total(model, draft_model, row_config, state, drafters[0].temperature)
         pad_token = generation_config._pad_token_tensor
         sequences = decode_batch(
             model, new_rows(requests, drafters, generation_config.max_length),
             _choice_rule(model, logits_processor, generation_config.do_sample), stopping_criteria, recorder,
-            None if pad_token is None else int(pad_token), streamer, settings["step_budget"],
+            None if pad_token is None else int(pad_token), streamer, step_budget,
         )
         if streamer is not None:
             streamer.end()
@@ -244,18 +258,33 @@ def _checked_request(
     return draft_model, requests
 
 
-def _capped_by_step_budget(config: SpecExecConfig, step_budget: int | None, rows: int) -> SpecExecConfig:
+def _auto_step_total(
+    model: PreTrainedModel, draft_model: PreTrainedModel, config: SpecExecConfig, state: LearntState,
+    draft_temperature: float,
+) -> AutoStepTotal:
+    """A batch's ``step_budget="auto"``: the target's forward profile and the draft forward's cost that
+    ``budget="auto"`` measured for this pair (kept in ``state``), trees of at most ``config.budget`` nodes; the first
+    step expects the total ``budget="auto"`` would pick for one prompt."""
+    auto_budget = state.auto_budget(model, draft_model, config, draft_temperature)
+    step_total = AutoStepTotal(auto_budget.target_seconds, auto_budget.draft_forward_seconds, config.budget)
+    step_total.last_total = auto_budget.choose(config.max_depth)
+    return step_total
+
+
+def _capped_by_step_budget(
+    config: SpecExecConfig, step_budget: int | Literal["auto"] | None, rows: int
+) -> SpecExecConfig:
     """The knobs with one sequence's tree cut to ``step_budget`` nodes (a batch shares them out step by step).
 
     Raises:
         ValueError: for a ``step_budget`` that is not a positive integer, or beside ``budget="auto"``.
     """
-    if step_budget is None:
+    if step_budget is None or step_budget == "auto":
         return config
     if not isinstance(step_budget, int) or isinstance(step_budget, bool) or step_budget < 1:
         raise ValueError(
-            f"step_budget must be a positive integer: the tree nodes one target forward verifies over all the batch's "
-            f"rows; got {step_budget!r}."
+            f"step_budget must be a positive integer (the tree nodes one target forward verifies over all the batch's "
+            f"rows) or \"auto\"; got {step_budget!r}."
         )
     if config.budget == "auto":
         raise ValueError(
@@ -271,8 +300,7 @@ def _check_batch_settings(
     """Refuses, naming it, a setting that a batch of prompts does not support yet."""
     refused = [
         name for name, on in (
-            ('budget="auto"', config.budget == "auto"), ("draft_ahead=True", config.draft_ahead),
-            ("intermediate_model", intermediate_model is not None),
+            ("draft_ahead=True", config.draft_ahead), ("intermediate_model", intermediate_model is not None),
             ("output_scores", generation_config.output_scores), ("output_logits", generation_config.output_logits),
             ("output_hidden_states", generation_config.output_hidden_states),
             ("output_attentions", generation_config.output_attentions),
@@ -280,7 +308,7 @@ def _check_batch_settings(
     ]
     if refused:
         raise ValueError(
-            f"SpecExec does not run {refused[0]} over a batch of prompts yet: pass a fixed budget=, draft_ahead=False, "
+            f"SpecExec does not run {refused[0]} over a batch of prompts yet: pass draft_ahead=False, "
             "no intermediate_model and no per-token outputs, or call generate() per prompt (a pipeline's "
             "batch_size=1)."
         )
