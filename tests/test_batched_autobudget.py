@@ -107,3 +107,22 @@ def test_each_rows_samples_follow_the_targets_distribution(knobs):
             outcome = tuple(out[1, ids.shape[1] :].tolist())
             counts[outcome] = counts.get(outcome, 0) + 1
     assert chi_square_p(counts, exact_distribution(target, processors(sampling))) > 1e-3
+
+
+def test_step_budget_auto_leaves_one_prompt_as_its_budget_grows_it():
+    target = tiny_model("llama", seed=3)
+    draft = perturbed_copy(target, 0.05, seed=4)
+    stats = SpecExecStats()
+    got = target.generate(
+        PROMPT, max_new_tokens=8, do_sample=False, assistant_model=draft, speculator="specexec", budget=5,
+        step_budget="auto", specexec_stats=stats,
+    )
+    assert got.tolist() == target.generate(PROMPT, max_new_tokens=8, do_sample=False).tolist()
+    assert max(step.tree_size for step in stats.steps) == 5 + 1
+
+
+def test_a_fixed_step_budget_beside_budget_auto_is_refused_naming_step_budget_auto():
+    target = tiny_model("llama", seed=3)
+    ids, mask = left_padded(random_prompts(1, [3, 4]))
+    with pytest.raises(ValueError, match='step_budget="auto"'):
+        specexec(target, target, ids, mask, max_new_tokens=4, budget="auto", step_budget=8)

@@ -288,8 +288,8 @@ def _capped_by_step_budget(
         )
     if config.budget == "auto":
         raise ValueError(
-            'step_budget fixes the nodes each target forward verifies, which budget="auto" picks itself: pass a '
-            "fixed budget= with step_budget=, or drop step_budget."
+            'step_budget fixes the nodes each target forward verifies, which budget="auto" picks itself: pass '
+            'step_budget="auto" (or a fixed budget= with step_budget=), or drop step_budget.'
         )
     return config if rows > 1 else config.updated(budget=min(config.budget, step_budget))
 
