@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")  # the package imports vLLM
 
+from specexec_hf.core.batch_budget import TREE_HEADROOM
 from specexec_hf.hf.autobudget import PROBE_EVERY
 from specexec_hf.vllm.settings import ProposerSettings
-from specexec_hf.vllm.step_costs import TREE_HEADROOM, StepCosts
+from specexec_hf.vllm.step_costs import StepCosts
 
 pytestmark = pytest.mark.vllm
 

@@ -20,10 +20,11 @@ forward flat to 65 tokens.) After the sweep each step's trees are cut to the tot
 :func:`~specexec_hf.core.batch_budget.step_total` over their nodes' calibrated reach probabilities; as
 ``budget="auto"`` probes its neighbours, every ``PROBE_EVERY``-th step the best total among a half doubling above
 or below it (in turn) runs instead, which keeps the feeds near the choice measured as the disk's speed moves.
-Each request's tree grows to ``TREE_HEADROOM`` times its even share of the total the step is expected to keep
-(the last step's, twice it during the sweep; at most the ``budget`` setting): enough to feed the next total even
-when the best nodes gather in a few trees, and room for the total to grow, without drafting every tree to its cap
-for a batch that keeps few of its nodes.
+Each request's tree grows to :data:`~specexec_hf.core.batch_budget.TREE_HEADROOM` times its even share of the
+total the step is expected to keep (the last step's, twice it during the sweep; at most the ``budget`` setting):
+enough to feed the next total even when the best nodes gather in a few trees, and room for the total to grow,
+without drafting every tree to its cap for a batch that keeps few of its nodes (``generate()``'s batches share the
+rule: :func:`~specexec_hf.core.batch_budget.row_tree_budget`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..core.batch_budget import step_total
+from ..core.batch_budget import row_tree_budget, step_total
 from ..hf.autobudget import PROBE_EVERY, RECENT_WEIGHT, ForwardProfile
 
 BUCKETS_PER_DOUBLING = 4
 PROBE_FACTOR = math.sqrt(2.0)
-TREE_HEADROOM = 2
 # The first steps' sweep stops at the feed whose forward took this many times the sweep's first one: the flat region
 # has ended there (the linear reading between measured feeds takes over).
 SWEEP_RISE = 1.5
@@ -146,10 +146,9 @@ class StepCosts:
         return total
 
     def tree_budget(self, rows: int, cap: int) -> int:
-        """Nodes each of ``rows`` requests' trees grows to this step: ``TREE_HEADROOM`` times its even share of the
+        """Nodes each of ``rows`` requests' trees grows to this step: :data:`TREE_HEADROOM` times its even share of the
         total this step is expected to keep (the last step's, twice it during the sweep), between 1 and ``cap``
         (``cap`` before any step)."""
-        if rows < 1 or self.last_total is None:
-            return cap
-        expected = self.last_total if self.swept else 2 * self.last_total
-        return max(1, min(cap, math.ceil(TREE_HEADROOM * expected / rows)))
+        if self.last_total is None:
+            return row_tree_budget(rows, None, cap)
+        return row_tree_budget(rows, self.last_total if self.swept else 2 * self.last_total, cap)
