@@ -113,15 +113,16 @@ def assert_greedy_equal_but_for_near_ties(model, decompressed, ids: torch.Tensor
         assert theirs[position].max() - theirs[position, chosen] <= 2 * difference, f"token {position + 1}"
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     strategy=st.sampled_from(["group", "channel"]),
     seed=st.integers(0, 2**16),
     prefetch=st.integers(1, 3),
     cpu_bytes=st.sampled_from([0, 60_000]),  # everything on disk, or the embedding in RAM
+    one_call=st.booleans(),  # load_offloaded(path) detects the packed checkpoint, or is given load_compressed's model
 )
 def test_a_packed_checkpoint_streams_from_disk_on_the_cpu_bit_equal_to_itself_in_memory(
-    strategy, seed, prefetch, cpu_bytes
+    strategy, seed, prefetch, cpu_bytes, one_call
 ):
     with tempfile.TemporaryDirectory() as checkpoint, tempfile.TemporaryDirectory() as folder:
         write_checkpoint(checkpoint, strategy=strategy, seed=seed)
@@ -131,7 +132,8 @@ def test_a_packed_checkpoint_streams_from_disk_on_the_cpu_bit_equal_to_itself_in
         with torch.no_grad():
             expected = reference(ids).logits
         streamed = load_offloaded(
-            load_compressed(checkpoint), max_memory={"cpu": cpu_bytes}, offload_folder=folder, prefetch=prefetch
+            checkpoint if one_call else load_compressed(checkpoint), max_memory={"cpu": cpu_bytes},
+            offload_folder=folder, prefetch=prefetch,
         )
         assert streamed.hf_device_map["model.layers.0"] == "disk" and layer_streamer(streamed) is not None
         with torch.no_grad():
@@ -224,3 +226,61 @@ def test_a_scheme_without_a_quanto_form_is_refused_naming_the_layer_and_the_fix_
         quanto_from_compressed(model, device)
     assert all("weight_packed" in module._parameters for module in model.modules()
                if isinstance(module, torch.nn.Linear) and module is not model.lm_head)
+
+
+@pytest.fixture
+def no_weight_loads(monkeypatch):
+    """Loading a checkpoint's weights fails: refusals must come before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint's weights were loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_a_packed_checkpoint_given_quantize_is_refused_naming_the_fix(tmp_path, no_weight_loads):
+    write_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match=r"already quantized.*compressed-tensors.*leave quantize unset"):
+        load_offloaded(tmp_path / "checkpoint", max_memory={"cpu": 0}, offload_folder=tmp_path / "folder",
+                       quantize="int4")
+
+
+@pytest.mark.parametrize(
+    "scheme, reason",
+    [({"symmetric": False}, r"no zero points"), ({"group_size": 64}, r"groups are 64 wide")],
+)
+def test_a_packed_checkpoint_the_cpu_cannot_run_is_refused_before_its_weights_load(
+    tmp_path, no_weight_loads, scheme, reason
+):
+    write_checkpoint(tmp_path / "checkpoint", **scheme)
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\..*on the CPU: .*{reason}.*dequantize=True"):
+        load_offloaded(tmp_path / "checkpoint", max_memory={"cpu": 0}, offload_folder=tmp_path / "folder")
+    with pytest.raises(ValueError, match=reason):
+        load_compressed(tmp_path / "checkpoint")
+
+
+def test_a_packed_checkpoint_placed_on_disk_without_an_offload_folder_is_refused_before_its_weights_load(
+    tmp_path, no_weight_loads
+):
+    write_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"on disk \(model\.embed_tokens, \.\.\.\).*pass offload_folder="):
+        load_offloaded(tmp_path, max_memory={"cpu": 0})
+
+
+def test_the_cli_streams_a_packed_checkpoint_as_it_decodes_in_memory(tmp_path, capsys):
+    from conftest import tiny_tokenizer
+
+    from specexec_hf.tools import cli
+    from specexec_hf.tools.prompts import chat_inputs
+
+    checkpoint = tmp_path / "checkpoint"
+    write_checkpoint(checkpoint)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(checkpoint)
+    inputs = chat_inputs(tokenizer, "the quick brown fox")
+    output = load_compressed(checkpoint).generate(**inputs, max_new_tokens=12, do_sample=False)
+    expected = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert cli.main(["generate", "--prompt", "the quick brown fox", "--max-new-tokens", "12", "--target",
+                     str(checkpoint), "--no-specexec", "--offload", "stream", "--max-memory", "cpu=0",
+                     "--offload-folder", str(tmp_path / "folder")]) == 0
+    assert capsys.readouterr().out == expected + "\n"

@@ -124,8 +124,8 @@ def load_compressed(
         dtype: The dtype of the layers left unquantized (embedding, norms, head); ``None``: the checkpoint's.
 
     Raises:
-        ValueError: The checkpoint is not compressed-tensors packed (checked before its weights load); as
-            :func:`quanto_from_compressed`.
+        ValueError: The checkpoint is not compressed-tensors packed, or a layer's scheme has no quanto form
+            computing on ``device`` (as :func:`quanto_from_compressed` says): both checked before its weights load.
     """
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -136,6 +136,7 @@ def load_compressed(
             f"{path} is not a compressed-tensors 'pack-quantized' checkpoint (its config.json has no such "
             "quantization_config). Load it with load_offloaded(path, ...), with quantize='int4' to quantize it."
         )
+    check_convertible(packed_skeleton(path, dtype), device)
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=CompressedTensorsConfig(dequantize=False), dtype=dtype or "auto",
         attn_implementation="sdpa",
@@ -165,9 +166,26 @@ def quanto_from_compressed(model: ModelT, device: str | torch.device = "cpu") ->
             reason and the fix; nothing is converted then.
     """
     on_cpu = torch.device(device).type == "cpu"
-    packed: list[tuple[str, Any]] = [(name, module) for name, module in model.named_modules()
-                                     if isinstance(module, nn.Linear) and "weight_packed" in module._parameters]
-    for name, module in packed:
+    check_convertible(model, device)
+    for name, module in _packed_linears(model):
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, _quanto_linear(module, on_cpu))
+    hook = getattr(model, "ct_decompress_hook", None)
+    if hook is not None:
+        hook.remove()
+        del model.ct_decompress_hook
+    return model
+
+
+def check_convertible(model: nn.Module, device: str | torch.device) -> None:
+    """Checks that every compressed-tensors packed linear layer of ``model`` (loaded, or its structure on the meta
+    device) has a quanto form computing on ``device``.
+
+    Raises:
+        ValueError: The first layer that has none, named with its scheme, the reason and the fix.
+    """
+    on_cpu = torch.device(device).type == "cpu"
+    for name, module in _packed_linears(model):
         scheme = PackedScheme.of(module)
         reason = scheme.unsupported(int(module.weight_shape[1]), on_cpu)
         if reason is not None:
@@ -177,14 +195,35 @@ def quanto_from_compressed(model: ModelT, device: str | torch.device = "cpu") ->
                 f"scale per {scheme.group_size or 'row'}{' inputs' if scheme.group_size else ''} "
                 f"({scheme.scale_dtype}), which cannot run as quanto layers on {where}: {reason}. {_DEQUANTIZED_FIX}."
             )
-    for name, module in packed:
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, _quanto_linear(module, on_cpu))
-    hook = getattr(model, "ct_decompress_hook", None)
-    if hook is not None:
-        hook.remove()
-        del model.ct_decompress_hook
-    return model
+
+
+def _packed_linears(model: nn.Module) -> list[tuple[str, Any]]:
+    """``model``'s linear layers holding a compressed-tensors packed weight, with their names."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and "weight_packed" in module._parameters]
+
+
+def packed_skeleton(path: str | os.PathLike[str], dtype: torch.dtype | None) -> nn.Module:
+    """Checkpoint ``path``'s model on the meta device, its linear layers given the packed parameters (shapes,
+    dtypes, schemes) that ``from_pretrained`` with ``CompressedTensorsConfig(dequantize=False)`` and ``dtype`` gives
+    them, as transformers' quantizer does before the weights load: what :func:`check_convertible` reads, no
+    weight read."""
+    from accelerate import init_empty_weights
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
+
+    config = AutoConfig.from_pretrained(path)
+    quantization = config.quantization_config
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    compression = CompressedTensorsConfig.from_dict({**quantization, "dequantize": False})
+    compressor = ModelCompressor.from_compression_config(compression)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None))
+    apply_quantization_config(skeleton, compressor.quantization_config, run_compressed=False)
+    compressor.compress_model(model=skeleton)
+    return skeleton
 
 
 def _quanto_linear(module: Any, on_cpu: bool) -> nn.Module:

@@ -38,6 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..hf.compat import use_sdpa_attention
+from .compressed import load_compressed, packed_checkpoint, packed_skeleton
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
 from .direct_io import WeightFileError
@@ -63,7 +64,11 @@ def load_offloaded(
 
     Args:
         path_or_model: A checkpoint directory (or hub id) for ``from_pretrained``, or a model in memory, which is
-            dispatched in place (its offloaded weights are written to ``offload_folder`` and freed).
+            dispatched in place (its offloaded weights are written to ``offload_folder`` and freed). A
+            compressed-tensors packed 4-bit (or 8-bit) checkpoint (:func:`~.compressed.packed_checkpoint`, GPTQ-style
+            as downloaded) loads packed into memory as quanto layers in the form for the device that computes (the
+            first GPU given memory in ``max_memory``, else the CPU; :func:`~.compressed.load_compressed`), and is
+            then placed as a model in memory: its disk-placed layers written packed to ``offload_folder``.
         max_memory: Per-device budget as accelerate takes it, e.g. ``{0: "6GiB", "cpu": "12GiB"}``;
             ``{"cpu": 0}`` puts every weight on disk. ``None`` lets accelerate use all available memory.
         offload_folder: Where weights placed on disk are written. Needed for a model in memory; a safetensors
@@ -95,7 +100,9 @@ def load_offloaded(
     Raises:
         ValueError: An unknown ``executor``, a ``prefetch`` below 1, a model in memory that needs disk space
             but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU; ``quantize``
-            unknown, given with a model in memory, without ``offload_folder``, or with another executor or a GPU.
+            unknown, given with a model in memory or a packed checkpoint, without ``offload_folder``, or with another
+            executor or a GPU; a packed checkpoint whose scheme has no quanto form on the computing device (checked
+            before its weights load).
         ImportError: ``quantize`` without optimum-quanto installed.
         RuntimeError: ``executor="stream"`` with a GPU in ``max_memory`` and no CUDA available to torch.
         OSError: The offload folder has no room for the weights placed on disk (``ENOSPC``), checked before
@@ -112,6 +119,15 @@ def load_offloaded(
         )
     if quantize is not None and offload_folder is None:
         raise ValueError(f"quantize={quantize!r} writes the quantized layers placed on disk: pass offload_folder=.")
+    if not isinstance(path_or_model, PreTrainedModel) and packed_checkpoint(path_or_model):
+        if quantize is not None:
+            raise ValueError(
+                f"{path_or_model} is already quantized (a compressed-tensors 'pack-quantized' checkpoint), so "
+                f"quantize={quantize!r} has nothing to do: leave quantize unset, its packed integers are streamed as "
+                "they are."
+            )
+        path_or_model = _load_packed(path_or_model, max_memory, offload_folder, dtype)
+        dtype = None
     skeleton = _skeleton(path_or_model, dtype)
     layers = _decoder_layers(skeleton) if quantize is not None else []
     packed = packed_dtypes(skeleton, layers, quantize) if quantize is not None else None
@@ -276,6 +292,30 @@ def _decoder_layers(model: nn.Module) -> list[str]:
     """The weight units that are one of the model's ``_no_split_modules`` (its decoder layers), in order."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     return [name for name in weight_units(model) if type(model.get_submodule(name)).__name__ in no_split]
+
+
+def _load_packed(
+    path: str | os.PathLike, max_memory: Mapping[int | str, int | str] | None,
+    offload_folder: str | os.PathLike | None, dtype: torch.dtype | None,
+) -> PreTrainedModel:
+    """Packed checkpoint ``path`` loaded into memory as quanto layers in the form for the device its placement under
+    ``max_memory`` computes on (the placement planned on its packed structure on the meta device), to be placed
+    as a model in memory.
+
+    Raises:
+        ValueError: The placement puts layers on disk and there is no ``offload_folder`` to write them to, or (from
+            :func:`~.compressed.load_compressed`) a layer's scheme has no quanto form on that device; both before
+            any weight loads.
+    """
+    device_map = offload_device_map(packed_skeleton(path, dtype), max_memory)
+    disk_units = [name for name, where in device_map.items() if where == DISK]
+    if disk_units and offload_folder is None:
+        raise ValueError(
+            f"max_memory leaves {len(disk_units)} module(s) of the packed checkpoint {path} on disk ({disk_units[0]}, "
+            "...): they are written there packed, as quanto layers: pass offload_folder=<directory>."
+        )
+    device = next((where for where in device_map.values() if not _is_cpu_or_disk(where)), "cpu")
+    return load_compressed(path, f"cuda:{device}" if isinstance(device, int) else device, dtype)
 
 
 def _is_cpu_or_disk(where: int | str) -> bool:
