@@ -266,6 +266,15 @@ def test_a_packed_checkpoint_placed_on_disk_without_an_offload_folder_is_refused
         load_offloaded(tmp_path, max_memory={"cpu": 0})
 
 
+def test_a_packed_checkpoint_on_disk_under_accelerates_hooks_is_refused_before_its_weights_load(
+    tmp_path, no_weight_loads
+):
+    write_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match=r"puts model\.layers\.0, which holds quantized.*raise max_memory\['cpu'\]"):
+        load_offloaded(tmp_path / "checkpoint", max_memory={"cpu": 0}, offload_folder=tmp_path / "folder",
+                       executor="accelerate")
+
+
 def test_the_cli_streams_a_packed_checkpoint_as_it_decodes_in_memory(tmp_path, capsys):
     from conftest import tiny_tokenizer
 

@@ -167,7 +167,7 @@ def quanto_from_compressed(model: ModelT, device: str | torch.device = "cpu") ->
     """
     on_cpu = torch.device(device).type == "cpu"
     check_convertible(model, device)
-    for name, module in _packed_linears(model):
+    for name, module in packed_linears(model):
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, _quanto_linear(module, on_cpu))
     hook = getattr(model, "ct_decompress_hook", None)
@@ -185,7 +185,7 @@ def check_convertible(model: nn.Module, device: str | torch.device) -> None:
         ValueError: The first layer that has none, named with its scheme, the reason and the fix.
     """
     on_cpu = torch.device(device).type == "cpu"
-    for name, module in _packed_linears(model):
+    for name, module in packed_linears(model):
         scheme = PackedScheme.of(module)
         reason = scheme.unsupported(int(module.weight_shape[1]), on_cpu)
         if reason is not None:
@@ -197,7 +197,7 @@ def check_convertible(model: nn.Module, device: str | torch.device) -> None:
             )
 
 
-def _packed_linears(model: nn.Module) -> list[tuple[str, Any]]:
+def packed_linears(model: nn.Module) -> list[tuple[str, Any]]:
     """``model``'s linear layers holding a compressed-tensors packed weight, with their names."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and "weight_packed" in module._parameters]

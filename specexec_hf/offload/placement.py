@@ -38,7 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..hf.compat import use_sdpa_attention
-from .compressed import load_compressed, packed_checkpoint, packed_skeleton
+from .compressed import load_compressed, packed_checkpoint, packed_linears, packed_skeleton
 from .device import StreamDevice
 from .device_stream import DeviceLayerStreamer
 from .direct_io import WeightFileError
@@ -126,7 +126,7 @@ def load_offloaded(
                 f"quantize={quantize!r} has nothing to do: leave quantize unset, its packed integers are streamed as "
                 "they are."
             )
-        path_or_model = _load_packed(path_or_model, max_memory, offload_folder, dtype)
+        path_or_model = _load_packed(path_or_model, max_memory, offload_folder, dtype, executor)
         dtype = None
     skeleton = _skeleton(path_or_model, dtype)
     layers = _decoder_layers(skeleton) if quantize is not None else []
@@ -296,25 +296,30 @@ def _decoder_layers(model: nn.Module) -> list[str]:
 
 def _load_packed(
     path: str | os.PathLike, max_memory: Mapping[int | str, int | str] | None,
-    offload_folder: str | os.PathLike | None, dtype: torch.dtype | None,
+    offload_folder: str | os.PathLike | None, dtype: torch.dtype | None, executor: str | None,
 ) -> PreTrainedModel:
     """Packed checkpoint ``path`` loaded into memory as quanto layers in the form for the device its placement under
     ``max_memory`` computes on (the placement planned on its packed structure on the meta device), to be placed
     as a model in memory.
 
     Raises:
-        ValueError: The placement puts layers on disk and there is no ``offload_folder`` to write them to, or (from
-            :func:`~.compressed.load_compressed`) a layer's scheme has no quanto form on that device; both before
+        ValueError: The placement puts layers on disk where the executor cannot stream quantized layers from there
+            (a GPU's, or accelerate's hooks), or with no ``offload_folder`` to write them to, or (from
+            :func:`~.compressed.load_compressed`) a layer's scheme has no quanto form on that device: all before
             any weight loads.
     """
-    device_map = offload_device_map(packed_skeleton(path, dtype), max_memory)
+    skeleton = packed_skeleton(path, dtype)
+    device_map = offload_device_map(skeleton, max_memory)
     disk_units = [name for name, where in device_map.items() if where == DISK]
+    device = next((where for where in device_map.values() if not _is_cpu_or_disk(where)), "cpu")
+    packed_on_disk = [name for name in disk_units if packed_linears(skeleton.get_submodule(name))]
+    if packed_on_disk and (device != "cpu" or executor == "accelerate"):
+        raise _quantized_on_disk(packed_on_disk[0])
     if disk_units and offload_folder is None:
         raise ValueError(
             f"max_memory leaves {len(disk_units)} module(s) of the packed checkpoint {path} on disk ({disk_units[0]}, "
             "...): they are written there packed, as quanto layers: pass offload_folder=<directory>."
         )
-    device = next((where for where in device_map.values() if not _is_cpu_or_disk(where)), "cpu")
     return load_compressed(path, f"cuda:{device}" if isinstance(device, int) else device, dtype)
 
 
@@ -407,11 +412,7 @@ def _dispatch_in_memory_model(
     disk_units = [name for name, where in device_map.items() if where == DISK]
     quantized = next((name for name in disk_units if _holds_tensor_subclass(model.get_submodule(name))), None)
     if quantized is not None and hooks:
-        raise ValueError(
-            f"max_memory puts {quantized}, which holds quantized (tensor-subclass) weights, on disk; these stream from "
-            "disk only with the CPU stream executor (executor='stream', no GPU in max_memory); with accelerate's hooks "
-            "or a GPU, raise max_memory['cpu'] so that nothing goes to disk."
-        )
+        raise _quantized_on_disk(quantized)
     if disk_units and offload_folder is None:
         raise ValueError(
             f"max_memory leaves {len(disk_units)} module(s) on disk ({disk_units[0]}, ...): pass offload_folder="
@@ -439,6 +440,15 @@ def _dispatch_in_memory_model(
         leave_on_meta(model, disk_units)
     model.hf_device_map = dict(device_map)
     return model
+
+
+def _quantized_on_disk(unit: str) -> ValueError:
+    """The refusal of quantized weights placed on disk where only the CPU stream executor streams them from there."""
+    return ValueError(
+        f"max_memory puts {unit}, which holds quantized (tensor-subclass) weights, on disk; these stream from "
+        "disk only with the CPU stream executor (executor='stream', no GPU in max_memory); with accelerate's hooks "
+        "or a GPU, raise max_memory['cpu'] so that nothing goes to disk."
+    )
 
 
 def _tensors_outside(model: nn.Module, device_map: Mapping[str, int | str]) -> list[str]:
