@@ -293,3 +293,24 @@ def test_the_cli_streams_a_packed_checkpoint_as_it_decodes_in_memory(tmp_path, c
                      str(checkpoint), "--no-specexec", "--offload", "stream", "--max-memory", "cpu=0",
                      "--offload-folder", str(tmp_path / "folder")]) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize(
+    "max_memory, device",
+    [({0: 10**9, "cpu": 10**9}, "cuda:0"), ({"cpu": 10**9}, "cpu"), ({0: 0, "cpu": 10**9}, "cpu")],
+)
+def test_a_packed_checkpoint_loads_in_the_form_for_the_device_its_placement_computes_on(
+    tmp_path, monkeypatch, max_memory, device
+):
+    from specexec_hf.offload import placement
+
+    class Loaded(Exception):
+        pass
+
+    def record(path, device, dtype):
+        raise Loaded(device)
+
+    write_checkpoint(tmp_path)
+    monkeypatch.setattr(placement, "load_compressed", record)
+    with pytest.raises(Loaded, match=rf"^{device}$"):
+        load_offloaded(tmp_path, max_memory=max_memory)
