@@ -101,8 +101,9 @@ def load_offloaded(
         ValueError: An unknown ``executor``, a ``prefetch`` below 1, a model in memory that needs disk space
             but got no ``offload_folder``, or ``executor="stream"`` with modules on more than one GPU; ``quantize``
             unknown, given with a model in memory or a packed checkpoint, without ``offload_folder``, or with another
-            executor or a GPU; a packed checkpoint whose scheme has no quanto form on the computing device (checked
-            before its weights load).
+            executor or a GPU; a packed checkpoint whose scheme has no quanto form on the computing device, or whose
+            layers go to disk without ``offload_folder`` or under an executor that streams them from RAM only (a
+            GPU's, accelerate's hooks): all checked before its weights load.
         ImportError: ``quantize`` without optimum-quanto installed.
         RuntimeError: ``executor="stream"`` with a GPU in ``max_memory`` and no CUDA available to torch.
         OSError: The offload folder has no room for the weights placed on disk (``ENOSPC``), checked before
