@@ -38,7 +38,7 @@ from specexec_hf import SpecExecStats
 from benchmarks.figure_checks import positive
 from benchmarks.memory_cap import MemoryCap, evict
 from benchmarks.report import Goal, table, write_report
-from benchmarks.ssd import cpu_description
+from benchmarks.ssd import capped, cpu_description
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batched_trees"
 GROUP = "specexec_batched_trees"
@@ -61,22 +61,38 @@ def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module, None]:
     return target, draft, None
 
 
-def default_pair_streamed(cap: MemoryCap | None, cap_fraction: float):
-    """The default draft in RAM and the default target streamed from disk, in float32, its weight files evicted from
-    the page cache; with a ``cap``, the group capped at the loaded process plus ``cap_fraction`` of the target's
-    weights."""
+def default_pair_streamed(cap: MemoryCap | None, weights_memory: float):
+    """The default draft in RAM and the default target streamed from disk, in float32. With a ``cap``, the target
+    loads under the runtime and the draft plus ``weights_memory`` of its weights' size, so that ``prefetch="auto"``
+    sizes its ring within that room (as ``ssd.py``'s end to end does); the timed runs are capped again after the
+    warm-ups (:func:`capped_for_timing`)."""
     from specexec_hf.models.default_pair import default_target_dir
     from specexec_hf.offload import load_offloaded
 
     _, draft, tokenizer = specexec_hf.load_default_pair(dtype=torch.float32, draft_dtype=torch.float32)
     checkpoint = default_target_dir()
+    loading = capped(cap, weights_bytes(checkpoint), weights_memory)
     target = load_offloaded(checkpoint, max_memory={"cpu": 0}, executor="stream", dtype=torch.float32)
-    files = sorted(checkpoint.glob("*.safetensors"))
-    for path in files:
+    return target, draft, tokenizer, loading
+
+
+def weights_bytes(checkpoint: Path) -> int:
+    return sum(path.stat().st_size for path in checkpoint.glob("*.safetensors"))
+
+
+def capped_for_timing(cap: MemoryCap | None, target, weights_memory: float) -> dict:
+    """After the warm-ups (run with the cap lifted): the weight files evicted from the page cache and the process
+    capped at what it holds now (runtime, draft, ring, what the warm-ups left) plus what the ring leaves of
+    ``weights_memory`` of the weights: the ring, the activations, the caches and the page cache share less room than
+    the weights take, so every forward reads them from the disk."""
+    from specexec_hf.models.default_pair import default_target_dir
+    from specexec_hf.offload import layer_streamer
+
+    checkpoint = default_target_dir()
+    for path in checkpoint.glob("*.safetensors"):
         evict(path)
-    if cap is not None:
-        cap.limit(cap.usage() + int(cap_fraction * sum(path.stat().st_size for path in files)))
-    return target, draft, tokenizer
+    ring = layer_streamer(target).buffer_bytes
+    return capped(cap, weights_bytes(checkpoint), weights_memory, ring) | {"ring_bytes": ring}
 
 
 def prompts_of(tokenizer, count: int, tiny: bool) -> list[list[int]]:
@@ -121,9 +137,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=16, help="tree nodes per row")
-    parser.add_argument("--cap-fraction", type=float, default=0.5,
-                        help="RAM the cap leaves beyond the loaded process, as a share of the target's weights")
+    parser.add_argument("--budget", type=lambda text: text if text == "auto" else int(text), default=16,
+                        help='tree nodes per row, or "auto" (per step: one prompt\'s measured choice; a batch\'s '
+                             'step total from the forward profile)')
+    parser.add_argument("--weights-memory", type=float, default=0.8,
+                        help="the memory the target gets in all (ring, activations, caches, page cache) under the cap, "
+                             "as a share of its weights' size (below 1: the weights cannot all stay in RAM)")
     parser.add_argument("--no-cap", action="store_true", help="run without the cgroup cap (no root needed)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models in memory: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -141,7 +160,7 @@ def main() -> None:
         target, draft, tokenizer = tiny_pair()
         pad = 0
     else:
-        target, draft, tokenizer = default_pair_streamed(cap, args.cap_fraction)
+        target, draft, tokenizer, loading = default_pair_streamed(cap, args.weights_memory)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids])
@@ -151,11 +170,14 @@ def main() -> None:
 
     # One short untimed call of each kind first: the first call of a process pays its one-time costs (threads, the
     # page cache's first read of the target, the draft's calibration), which would fall on whichever method ran first.
+    if cap is not None and not args.tiny:
+        cap.limit(None)  # the warm-ups uncapped, the ring sized under the cap already
     warm_ids, warm_mask = left_padded(prompts[: args.batch], pad)
     warm = {**common, "max_new_tokens": 2}
     target.generate(warm_ids, attention_mask=warm_mask, **warm)
     target.generate(warm_ids, attention_mask=warm_mask, **warm, **specexec)
     target.generate(torch.tensor([prompts[0]]), **warm, **specexec)
+    timing_cap = capped_for_timing(cap, target, args.weights_memory) if not args.tiny else {"capped": False}
 
     seconds = {"plain batched": 0.0, "specexec batched": 0.0, "specexec one by one": 0.0}
     forwards = {"specexec batched": 0, "specexec one by one": 0}
@@ -199,8 +221,9 @@ def main() -> None:
         "command": " ".join([sys.executable, "-m", "benchmarks.batched_trees", *sys.argv[1:]]),
         "machine": f"{cpu_description()}, {os.cpu_count()} cores",
         "load_average_before": load_before,
-        "memory_cap": None if cap is None else {"limit_bytes": cap.limit_bytes(), "peak_bytes": cap.peak(),
-                                                "cap_hits": cap.failures()},
+        "memory_cap": None if cap is None or args.tiny else {
+            "while_loading": loading, "timed_runs": timing_cap, "peak_bytes": cap.peak(), "cap_hits": cap.failures(),
+        },
         "setting": {key: value for key, value in vars(args).items() if key != "out"} | {"out": str(args.out)},
         "new_tokens": generated,
         "seconds": seconds,
@@ -213,8 +236,10 @@ def main() -> None:
     }
     rows = [(method, f"{tokens_per_second[method]:.2f}", f"{seconds[method]:.2f}", forwards.get(method))
             for method in seconds]
+    capping = ("no RAM cap" if cap is None or args.tiny else
+               f"RAM cap: the target gets {args.weights_memory} of its weights' size in all (cgroup v1)")
     lines = [f"# batched_trees\n\n`{result['command']}`\n\n{result['machine']}; load average before "
-             f"{load_before[0]:.2f}; {'no RAM cap' if cap is None else 'RAM cap below the weights (cgroup v1)'}\n",
+             f"{load_before[0]:.2f}; {capping}\n",
              *table(("method", "tokens/s", "seconds", "target forwards"), rows, (False, True, True, True)),
              "", *(goal.line() for goal in goals), f"- outputs identical: {not mismatches}"]
     write_report(args.out, "batched_trees", result, "\n".join(lines))
