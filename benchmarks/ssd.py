@@ -753,7 +753,7 @@ def capped_run(args, script: str, argv: list[str] | None) -> tuple[MemoryCap | N
         "transformers": transformers.__version__, "threads": args.threads, "cap": "cgroup v1" if cap else "none",
         "cache_fraction": args.cache_fraction, "prefetch": args.prefetch,
         "load_before": [round(x, 2) for x in os.getloadavg()],
-        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", f"benchmarks/{script}",
+        "command": " ".join(["flock /tmp/bench.lock .venv/bin/python", f"-m benchmarks.{script.removesuffix('.py')}",
                              *(argv if argv is not None else sys.argv[1:])]),
     }
 
