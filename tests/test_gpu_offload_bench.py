@@ -20,11 +20,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from benchmarks import figure_checks, shapes, timing
-from benchmarks.report import Goal, goals_by_key
-from benchmarks.gpu_offload import checks, cli, disk, document, end_to_end, forward, placement, projection
 from specexec_hf import SpecExecConfig
 from specexec_hf.offload import layer_streamer
+
+from benchmarks import figure_checks, shapes, timing
+from benchmarks.gpu_offload import checks, cli, disk, document, end_to_end, forward, placement, projection
+from benchmarks.report import Goal, goals_by_key
 
 REPO = Path(__file__).resolve().parents[1]
 
