@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import specexec_hf
-from specexec_hf.hf.hierarchy import HIERARCHY_DRAFT_FACTOR
+from specexec_hf.hf.intermediate_draft import HIERARCHY_DRAFT_FACTOR
 from specexec_hf.hf.learnt_state import LearntState
 from specexec_hf.models import resolve_draft, target_cache_dir
 from specexec_hf.offload import layer_streamer

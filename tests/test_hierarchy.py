@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from specexec_hf import SpecExecStats
 from specexec_hf.core.hierarchy import rescored_tree
 from specexec_hf.core.tree import TokenTree
-from specexec_hf.hf import hierarchy
+from specexec_hf.hf import intermediate_draft as hierarchy
 
 
 @st.composite

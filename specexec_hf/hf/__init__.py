@@ -5,7 +5,7 @@
 - :mod:`.decoder`: one SpecExec step (``SpecExecDecoder.step``: one tree, one target forward, one walk) and the
   target's choice rule; :mod:`.outputs`: the scores, logits, hidden states and statistics ``generate()`` returns;
 - :mod:`.tree_scorer`: a model scoring trees after the committed tokens with its KV cache kept (the target's
-  verification, an intermediate draft's); :mod:`.hierarchy`: the intermediate of a draft hierarchy
+  verification, an intermediate draft's); :mod:`.intermediate_draft`: the intermediate of a draft hierarchy
   (``intermediate_model``, TriForce);
 - :mod:`.candidate_generator`: the draft side (``SpecExecCandidateGenerator``, a transformers ``CandidateGenerator``):
   tree ranking and learning; :func:`grow_trees` grows several requests' trees with batched draft forwards, whatever

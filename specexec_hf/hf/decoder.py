@@ -29,7 +29,7 @@ from .autobudget import AutoBudget
 from .candidate_generator import SAMPLED_AFTER, SpecExecCandidateGenerator
 from .executor import executor_of
 from .forward import NodeLogits
-from .hierarchy import IntermediateDraft
+from .intermediate_draft import IntermediateDraft
 from .request import Request
 from .tree_scorer import TreeScorer
 
@@ -200,7 +200,7 @@ class SpecExecDecoder:
         draft_ahead: Verify in a worker thread while the drafter grows the tree on (``SpecExecConfig.draft_ahead``;
             the drafter's ``grow_ahead``).
         intermediate: Re-ranks each draft tree and cuts it to the budget before the target verifies it (a draft
-            hierarchy, :mod:`.hierarchy`); ``None``: the target verifies the draft's tree.
+            hierarchy, :mod:`.intermediate_draft`); ``None``: the target verifies the draft's tree.
     """
 
     def __init__(

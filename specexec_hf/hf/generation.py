@@ -38,7 +38,7 @@ from .decoder import (
     check_draft_ahead,
 )
 from .draft_graphs import DraftGraphs
-from .hierarchy import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
+from .intermediate_draft import HIERARCHY_DRAFT_FACTOR, IntermediateDraft
 from .learnt_state import LearntState, learnt_state_of
 from .offload_hint import ReadAheadWatch, hint_streaming_executor
 from .outputs import OutputRecorder, SpecExecDecoderOnlyOutput, commit_tokens
@@ -116,10 +116,10 @@ def generate(
         intermediate_model: A draft hierarchy (TriForce): a causal LM between the draft and the target, e.g. a
             larger draft or ``"self:int8"`` / ``"self:exit:K"`` (as ``draft_model`` takes them). The draft grows a
             tree of ``draft_budget`` nodes, the intermediate scores it in one forward, and the target verifies the
-            ``budget`` nodes it rates likeliest (see :mod:`~.hierarchy`). Not with ``budget="auto"``,
+            ``budget`` nodes it rates likeliest (see :mod:`~.intermediate_draft`). Not with ``budget="auto"``,
             ``draft_ahead`` or ``sampled_children``.
         draft_budget: With ``intermediate_model``, the draft tree's size; default
-            :data:`~.hierarchy.HIERARCHY_DRAFT_FACTOR` times ``budget``.
+            :data:`~.intermediate_draft.HIERARCHY_DRAFT_FACTOR` times ``budget``.
         tree_search: The tree-growth policy (SpecExec's best-first search; baselines for benchmarks), or the name of
             a registered one (``"specexec"``, ``"specinfer"``, ``"sequoia"``; see
             :data:`~specexec_hf.core.search.TREE_POLICIES`); ``None``: the generation config's, else SpecExec's

@@ -1,10 +1,11 @@
 """A model that scores token trees after a committed sequence in one forward each, its KV cache kept across trees.
 
 The target's verification forward is one (:class:`~.decoder.SpecExecDecoder`); an intermediate draft's is another
-(:mod:`.hierarchy`). The cache always holds every committed token but the last, which is the next tree's root; a
-forward feeds the committed tokens it has not seen, then the tree, each node seeing the committed tokens and its own
-ancestors; :meth:`TreeScorer.keep` then keeps the committed tokens and the accepted nodes. :class:`BatchTreeScorer`
-does the same for a batch of sequences in one forward (``generate()`` with several prompts, :mod:`.batch`).
+(:mod:`.intermediate_draft`). The cache always holds every committed token but the last, which is the next tree's
+root; a forward feeds the committed tokens it has not seen, then the tree, each node seeing the committed tokens and
+its own ancestors; :meth:`TreeScorer.keep` then keeps the committed tokens and the accepted nodes.
+:class:`BatchTreeScorer` does the same for a batch of sequences in one forward (``generate()`` with several prompts,
+:mod:`.batch`).
 """
 
 from __future__ import annotations
