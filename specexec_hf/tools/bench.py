@@ -430,8 +430,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload-folder",
         type=Path,
         metavar="DIR",
-        help="With --offload: where weights placed on disk are written. Needed only for checkpoints that are not "
-        "safetensors (a safetensors checkpoint is read in place).",
+        help="With --offload: where weights placed on disk are written. Needed for checkpoints that are not "
+        "safetensors and for packed 4-bit (compressed-tensors) ones with layers on disk (a plain safetensors "
+        "checkpoint is read in place).",
     )
 
 
