@@ -307,7 +307,7 @@ def test_a_packed_checkpoint_loads_in_the_form_for_the_device_its_placement_comp
     class Loaded(Exception):
         pass
 
-    def record(path, device, dtype):
+    def record(path, device, dtype, skeleton=None):
         raise Loaded(device)
 
     write_checkpoint(tmp_path)

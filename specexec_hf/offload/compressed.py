@@ -105,14 +105,21 @@ def packed_checkpoint(path: str | os.PathLike[str]) -> bool:
     :func:`load_compressed` loads, and ``from_pretrained`` alone would decompress at every forward."""
     from transformers import AutoConfig
 
-    quantization = getattr(AutoConfig.from_pretrained(path), "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
+    quantization = _quantization_config(AutoConfig.from_pretrained(path))
     return quantization.get("quant_method") == "compressed-tensors" and quantization.get("format") == "pack-quantized"
 
 
+def _quantization_config(config: Any) -> dict[str, Any]:
+    """A model config's ``quantization_config`` as a dict (``{}`` without one)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
+
+
 def load_compressed(
-    path: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    skeleton: nn.Module | None = None,
 ) -> PreTrainedModel:
     """A compressed-tensors packed checkpoint (a local folder or a hub id) as a model of quanto layers over its
     integers (:func:`quanto_from_compressed`), in host memory, ready for
@@ -122,6 +129,8 @@ def load_compressed(
         path: The checkpoint.
         device: Where the model will compute (see :func:`quanto_from_compressed`).
         dtype: The dtype of the layers left unquantized (embedding, norms, head); ``None``: the checkpoint's.
+        skeleton: ``packed_skeleton(path, dtype)`` where the caller has built it already (``load_offloaded`` plans
+            the placement on it), so that it is not built twice; ``None``: built here.
 
     Raises:
         ValueError: The checkpoint is not compressed-tensors packed, or a layer's scheme has no quanto form
@@ -136,7 +145,7 @@ def load_compressed(
             f"{path} is not a compressed-tensors 'pack-quantized' checkpoint (its config.json has no such "
             "quantization_config). Load it with load_offloaded(path, ...), with quantize='int4' to quantize it."
         )
-    check_convertible(packed_skeleton(path, dtype), device)
+    check_convertible(packed_skeleton(path, dtype) if skeleton is None else skeleton, device)
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=CompressedTensorsConfig(dequantize=False), dtype=dtype or "auto",
         attn_implementation="sdpa",
@@ -214,10 +223,7 @@ def packed_skeleton(path: str | os.PathLike[str], dtype: torch.dtype | None) -> 
     from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
     config = AutoConfig.from_pretrained(path)
-    quantization = config.quantization_config
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    compression = CompressedTensorsConfig.from_dict({**quantization, "dequantize": False})
+    compression = CompressedTensorsConfig.from_dict({**_quantization_config(config), "dequantize": False})
     compressor = ModelCompressor.from_compression_config(compression)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None))

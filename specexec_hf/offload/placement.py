@@ -321,7 +321,7 @@ def _load_packed(
             f"max_memory leaves {len(disk_units)} module(s) of the packed checkpoint {path} on disk ({disk_units[0]}, "
             "...): they are written there packed, as quanto layers: pass offload_folder=<directory>."
         )
-    return load_compressed(path, f"cuda:{device}" if isinstance(device, int) else device, dtype)
+    return load_compressed(path, f"cuda:{device}" if isinstance(device, int) else device, dtype, skeleton=skeleton)
 
 
 def _is_cpu_or_disk(where: int | str) -> bool:
