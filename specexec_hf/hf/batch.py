@@ -43,7 +43,7 @@ from ..core.verify import acceptance_walk
 from .candidate_generator import SpecExecCandidateGenerator, grow_trees
 from .decoder import ChoiceRule, StepOutcome, TargetChoice
 from .offload_hint import ReadAheadWatch
-from .outputs import OutputRecorder, commit_tokens
+from .outputs import OutputRecorder, commit_tokens, tree_forecast
 from .request import Request
 from .tree_scorer import BatchTreeScorer
 
@@ -298,7 +298,7 @@ def _batch_step_stats(outcomes: Sequence[StepOutcome], committed: Sequence[int],
         draft_seconds=first.draft_seconds,
         target_seconds=first.target_seconds,
         path_length=sum(len(outcome.acceptance.path) for outcome in outcomes),
-        forecast=sum(float(outcome.grown.tree.logprobs[1:].double().exp().sum()) for outcome in outcomes),
+        forecast=sum(tree_forecast(outcome.grown.tree) for outcome in outcomes),
     )
 
 

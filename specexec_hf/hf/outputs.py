@@ -12,6 +12,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaL
 from transformers.utils import ModelOutput
 
 from ..core.stats import SpecExecStats, StepStats
+from ..core.tree import TokenTree
 from .attention_spans import attention_spans, decoder_layer_types
 from .decoder import StepOutcome
 
@@ -49,6 +50,13 @@ def _outputs_of(
         for weights, reach in zip(outputs.attentions or (), reaches)
     )
     return hidden, attentions
+
+
+def tree_forecast(tree: TokenTree) -> float:
+    """The tree tokens its ranking expects the target to accept (:attr:`~specexec_hf.core.stats.StepStats.forecast`):
+    node scores are cumulative log-probabilities of acceptance, so their exponentials, summed over the non-root
+    nodes."""
+    return float(tree.logprobs[1:].double().exp().sum())
 
 
 class OutputRecorder:
@@ -95,8 +103,7 @@ class OutputRecorder:
                 draft_seconds=outcome.draft_seconds,
                 target_seconds=outcome.target_seconds,
                 path_length=len(outcome.acceptance.path),
-                # Node scores are cumulative log-probabilities of acceptance (the ranking's own estimate).
-                forecast=float(tree.logprobs[1:].double().exp().sum()),
+                forecast=tree_forecast(tree),
                 near_tied=tuple(outcome.near_tied),
             )
         )
